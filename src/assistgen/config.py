@@ -1,0 +1,51 @@
+"""Settings for one generation, as a frozen dataclass: the one home of every default.
+
+Contract: `GenerationConfig` holds what the user asked for and checks it (`validate`), raising
+`ConfigError` with a message that names the bad value and the fix. The CLI and the API build it;
+neither re-declares a default.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """A generation setting is out of range; the message names it and says what is allowed."""
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 means greedy (argmax); never approximated by a tiny temperature
+    top_k: int = 0  # 0 disables top-k
+    top_p: float = 1.0  # 1.0 disables nucleus filtering
+    seed: int | None = None  # seeds the torch.Generator used for sampling
+    stop: tuple[str, ...] = ()  # stop strings, matched on decoded text and not emitted
+    eos_token_ids: tuple[int, ...] | None = None  # None: from the model's generation config
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> GenerationConfig:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise ConfigError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}.")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}.")
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature):
+            raise ConfigError(f"temperature must be a number >= 0, got {self.temperature!r}.")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}.")
+        if math.isinf(self.temperature):
+            raise ConfigError("temperature must be finite.")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ConfigError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}.")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise ConfigError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}.")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}.")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise ConfigError(f"stop strings must be non-empty strings, got {self.stop!r}.")
+        return self

@@ -1,0 +1,145 @@
+"""Drafters: anything that proposes the next few tokens, behind one small interface.
+
+Contract: a drafter implements
+    propose(ids, k, sampler, min_confidence) -> Draft
+        ids: the whole current sequence (prompt + emitted tokens); propose up to k *new* tokens
+        that follow it, with the draft distribution q each was drawn from ([n, vocab] in the
+        target's vocabulary) or None when there is none;
+    observe(num_accepted) -> None
+        told how many of the last proposal's tokens the target accepted;
+and a `context_length` (None when unbounded). Drafters never see the target's cache and never
+decide acceptance; the generation loop in `engine.py` does. Plain decoding is `NoDrafter`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from assistgen.cache import KVCache
+from assistgen.models import Model
+from assistgen.sampling import Sampler
+
+
+@dataclass
+class Draft:
+    tokens: list[int] = field(default_factory=list)  # [n] proposed continuation, n <= k
+    probs: torch.Tensor | None = None  # [n, vocab] q for each token, or None
+    forward_passes: int = 0  # drafter model forward passes spent on this proposal
+
+
+class Drafter(Protocol):
+    name: str
+    context_length: int | None
+
+    def propose(self, ids: list[int], k: int, sampler: Sampler, min_confidence: float = 0.0) -> Draft: ...
+
+    def observe(self, num_accepted: int) -> None: ...
+
+
+class NoDrafter:
+    """Proposes nothing: the loop then decodes one target token per step (plain decoding)."""
+
+    name = "none"
+    context_length = None
+
+    def propose(self, ids: list[int], k: int, sampler: Sampler, min_confidence: float = 0.0) -> Draft:
+        return Draft()
+
+    def observe(self, num_accepted: int) -> None:
+        pass
+
+
+class AssistantDrafter:
+    """A smaller model with the target's tokenizer drafts token by token with its own KV cache.
+
+    Before each proposal its cache is cropped to the prefix it shares with the sequence, and it is
+    fed what it has not seen: after a full acceptance that is the last draft token and the bonus
+    token, after a rejection the recovered token.
+    """
+
+    name = "assistant"
+
+    def __init__(self, assistant: Model, target_vocab_size: int):
+        self.model = assistant
+        self.cache = KVCache(assistant.hf)
+        self.vocab_size = target_vocab_size
+        self.context_length = assistant.context_length
+
+    def propose(self, ids: list[int], k: int, sampler: Sampler, min_confidence: float = 0.0) -> Draft:
+        pending = self.cache.sync(ids)
+        draft = Draft()
+        rows: list[torch.Tensor] = []
+        for _ in range(k):
+            logits = fit_vocab(self.cache.feed(pending)[-1], self.vocab_size)  # [vocab]
+            draft.forward_passes += 1
+            if sampler.greedy:
+                token = int(logits.argmax())
+                confidence = float(torch.softmax(logits, -1)[token]) if min_confidence > 0 else 1.0
+            else:
+                q = sampler.probs(logits[None])[0]  # [vocab]
+                token = sampler.draw(q)
+                confidence = float(q.max())
+                rows.append(q)
+            if confidence < min_confidence:
+                if rows:
+                    rows.pop()
+                break
+            draft.tokens.append(token)
+            pending = [token]
+        if rows:
+            draft.probs = torch.stack(rows)  # [n, vocab]
+        return draft
+
+    def observe(self, num_accepted: int) -> None:
+        pass  # the next propose() syncs the cache to whatever the target emitted
+
+
+def fit_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:
+    """Trim or pad (with -inf) a [vocab'] logits row to the target's logits width."""
+    if logits.shape[-1] == size:
+        return logits
+    if logits.shape[-1] > size:
+        return logits[..., :size]
+    pad = logits.new_full((*logits.shape[:-1], size - logits.shape[-1]), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)
+
+
+class PromptLookupDrafter:
+    """Prompt lookup (Saxena 2023): find the last n-gram earlier in the context, propose what followed.
+
+    n goes from `max_ngram` down to `min_ngram`; the most recent earlier match wins. No model,
+    no probabilities.
+    """
+
+    name = "prompt-lookup"
+    context_length = None
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, ids: list[int], k: int, sampler: Sampler, min_confidence: float = 0.0) -> Draft:
+        return Draft(tokens=lookup_continuation(ids, k, self.max_ngram, self.min_ngram))
+
+    def observe(self, num_accepted: int) -> None:
+        pass
+
+
+def lookup_continuation(ids: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of ids' last n-gram."""
+    if k <= 0:
+        return []
+    seq = np.asarray(ids, dtype=np.int64)
+    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
+        pattern = seq[-n:]
+        windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # [len-n, n], starts before the tail
+        hits = np.flatnonzero((windows == pattern).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return seq[start : start + k].tolist()
+    return []

@@ -1,0 +1,138 @@
+"""The one generation loop: prefill -> draft -> verify -> accept -> roll back -> emit.
+
+Contract: `stream()` is a generator of `Chunk`s, one per verification step. Every way of
+generating in assistgen (plain decoding, every drafter, the batch API, the CLI, the benchmarks)
+goes through it; plain decoding is the loop with a drafter that proposes nothing. The target's
+KV cache always holds the sequence minus its last token, so one verification feeds
+[last token, d_1 .. d_k] and reads k+1 next-token distributions. Greedy output equals the target's
+own greedy decoding; sampled output follows the target's distribution (see `sampling.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from assistgen.cache import KVCache
+from assistgen.config import ConfigError, GenerationConfig
+from assistgen.drafters import Draft, Drafter
+from assistgen.models import Model
+from assistgen.sampling import Sampler, verify_greedy, verify_speculative
+from assistgen.stats import Stats
+from assistgen.text import TextStream
+
+
+@dataclass
+class Chunk:
+    tokens: list[int]  # token ids emitted by this step
+    text: str  # text that became safe to show with this step
+    finish_reason: str | None = None  # set on the last chunk: length | eos | stop | context
+    stats: Stats | None = None  # the generation's statistics, live; final on the last chunk
+
+
+def stream(
+    target: Model, prompt_ids: list[int], drafter: Drafter, schedule, config: GenerationConfig
+) -> Iterator[Chunk]:
+    config.validate()
+    context = context_limit(target, drafter)
+    check_prompt(prompt_ids, target, context)
+    eos = set(config.eos_token_ids if config.eos_token_ids is not None else target.eos_token_ids)
+    sampler = Sampler(config)
+    text = TextStream(target.tokenizer, config.stop)
+    stats = Stats(mode=drafter.name, prompt_tokens=len(prompt_ids))
+    cache = KVCache(target.hf)
+    ids = list(prompt_ids)
+    started = time.perf_counter()
+
+    prefill(cache, ids, stats)
+    finish = None
+    while finish is None:
+        k = max(0, min(schedule.next_k(), context - len(ids)))
+        draft = propose(drafter, ids, k, sampler, schedule.min_confidence, stats)
+        accepted, token = verify(cache, ids, draft, sampler, stats)
+        cache.crop(len(ids) + accepted)  # roll back the rejected draft positions
+        drafter.observe(accepted)
+        schedule.update(len(draft.tokens), accepted)
+        stats.record_step(len(draft.tokens), accepted)
+
+        new = draft.tokens[:accepted] + [token]
+        new, finish = apply_stops(new, stats.new_tokens, config, eos, text)
+        ids.extend(new)
+        stats.new_tokens += len(new)
+        if finish is None and len(ids) >= context:
+            finish = "context"
+        stats.total_s = time.perf_counter() - started
+        if finish:
+            stats.finish_reason = finish
+        yield Chunk(new, text.delta(final=finish is not None), finish, stats)
+
+
+def prefill(cache: KVCache, ids: list[int], stats: Stats) -> None:
+    """Fill the target cache with every prompt token but the last (the first step feeds that one)."""
+    t = time.perf_counter()
+    if len(ids) > 1:
+        cache.feed(ids[:-1], logits_to_keep=1)
+        stats.target_forward_passes += 1
+    stats.prefill_s += time.perf_counter() - t
+
+
+def propose(drafter: Drafter, ids: list[int], k: int, sampler: Sampler, min_confidence: float, stats: Stats) -> Draft:
+    if k == 0:
+        return Draft()
+    t = time.perf_counter()
+    draft = drafter.propose(ids, k, sampler, min_confidence)
+    if len(draft.tokens) > k:
+        draft = Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k], draft.forward_passes)
+    stats.draft_forward_passes += draft.forward_passes
+    stats.draft_s += time.perf_counter() - t
+    return draft
+
+
+def verify(cache: KVCache, ids: list[int], draft: Draft, sampler: Sampler, stats: Stats) -> tuple[int, int]:
+    """One target forward over [last token, d_1..d_k]; returns (accepted draft tokens, next token)."""
+    t = time.perf_counter()
+    logits = cache.feed([ids[-1]] + draft.tokens, logits_to_keep=len(draft.tokens) + 1)  # [k+1, vocab]
+    if sampler.greedy:
+        result = verify_greedy(logits, draft.tokens)
+    else:
+        result = verify_speculative(sampler.probs(logits), draft.probs, draft.tokens, sampler)
+    stats.verify_s += time.perf_counter() - t
+    return result
+
+
+def apply_stops(
+    new: list[int], generated: int, config: GenerationConfig, eos: set[int], text: TextStream
+) -> tuple[list[int], str | None]:
+    """Cut this step's tokens at max_new_tokens, the first EOS, or a completed stop string."""
+    finish = None
+    room = config.max_new_tokens - generated
+    if len(new) >= room:
+        new, finish = new[:room], "length"
+    for i, token in enumerate(new):
+        if token in eos:
+            new, finish = new[: i + 1], "eos"
+            break
+    keep = text.add(new)
+    if text.stopped:
+        new, finish = new[:keep], "stop"
+    return new, finish
+
+
+def context_limit(target: Model, drafter: Drafter) -> int:
+    limits = [c for c in (target.context_length, drafter.context_length) if c]
+    return min(limits) if limits else 1 << 62
+
+
+def check_prompt(prompt_ids: list[int], target: Model, context: int) -> None:
+    if len(prompt_ids) == 0:
+        raise ConfigError("The prompt is empty: give at least one token of text.")
+    if len(prompt_ids) >= context:
+        raise ConfigError(
+            f"The prompt has {len(prompt_ids)} tokens but the context length is {context}: "
+            "shorten the prompt so that at least one new token fits."
+        )
+    vocab = target.vocab_size
+    bad = [t for t in prompt_ids if not 0 <= t < vocab]
+    if bad:
+        raise ConfigError(f"Prompt token ids {bad[:5]} are outside the model's vocabulary (0..{vocab - 1}).")

@@ -1,0 +1,74 @@
+"""Statistics of one generation, filled in by the generation loop.
+
+Contract: plain counters and timers; every derived figure (acceptance rate, mean accepted length,
+tokens per second) is a property computed from them, so nothing can drift out of step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Stats:
+    mode: str = "plain"
+    prompt_tokens: int = 0
+    new_tokens: int = 0  # emitted (after stop truncation)
+    steps: int = 0  # verification steps = target forward passes after the prefill
+    target_forward_passes: int = 0  # including the prefill
+    draft_forward_passes: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    accept_histogram: list[int] = field(default_factory=list)  # [k+1]: steps that accepted 0..k draft tokens
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+    finish_reason: str = ""
+
+    def record_step(self, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.target_forward_passes += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        if len(self.accept_histogram) <= drafted:
+            self.accept_histogram.extend([0] * (drafted + 1 - len(self.accept_histogram)))
+        self.accept_histogram[accepted] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens produced per verification step: 1 + accepted / steps."""
+        return 1.0 + self.accepted_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def other_s(self) -> float:
+        return max(0.0, self.total_s - self.prefill_s - self.draft_s - self.verify_s)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        for k in ("acceptance_rate", "mean_accepted_length", "other_s", "tokens_per_second"):
+            out[k] = getattr(self, k)
+        return out
+
+    def summary(self) -> str:
+        lines = [
+            f"mode {self.mode}; finish: {self.finish_reason}",
+            f"new tokens {self.new_tokens} in {self.total_s:.2f} s = {self.tokens_per_second:.1f} tok/s "
+            f"(prompt {self.prompt_tokens} tokens)",
+            f"target forward passes {self.target_forward_passes} (prefill + {self.steps} steps); "
+            f"draft forward passes {self.draft_forward_passes}",
+            f"drafted {self.drafted_tokens}, accepted {self.accepted_tokens}: acceptance rate "
+            f"{self.acceptance_rate:.1%}, mean accepted length {self.mean_accepted_length:.2f}",
+            f"acceptance histogram (0..k accepted): {self.accept_histogram}",
+            f"time: prefill {self.prefill_s:.2f} s, drafting {self.draft_s:.2f} s, verifying {self.verify_s:.2f} s, "
+            f"other {self.other_s:.2f} s",
+        ]
+        return "\n".join(lines)
