@@ -47,7 +47,6 @@ class KVCache:
             logits_to_keep=logits_to_keep,
         )
         self.tokens.extend(ids)
-        self.past.crop(0)  # trims recorded sliding-window states back to the window
         return out.logits[0, -logits_to_keep:].float()
 
     def crop(self, length: int) -> None:
@@ -55,9 +54,12 @@ class KVCache:
         remove = len(self.tokens) - length
         if remove < 0:
             raise ValueError(f"cannot crop a cache of {len(self.tokens)} positions to {length}")
-        if remove:
-            self.past.crop(-remove)
-            del self.tokens[length:]
+        if length == 0:
+            self.reset()
+            return
+        # Always crop, even by 0: sliding-window layers recording their past trim back to the window here.
+        self.past.crop(-remove)
+        del self.tokens[length:]
 
     def sync(self, ids: list[int], keep_last: int = 1) -> list[int]:
         """Crop to the longest prefix shared with `ids`, leaving at least `keep_last` of them unfed.

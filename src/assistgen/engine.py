@@ -48,7 +48,7 @@ def stream(
     prefill(cache, ids, stats)
     finish = None
     while finish is None:
-        k = max(0, min(schedule.next_k(), context - len(ids)))
+        k = max(0, min(schedule.next_k(), context - len(ids) - 1))  # the sequence never outgrows the context
         draft = propose(drafter, ids, k, sampler, schedule.min_confidence, stats)
         accepted, token = verify(cache, ids, draft, sampler, stats)
         cache.crop(len(ids) + accepted)  # roll back the rejected draft positions

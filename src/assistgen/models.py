@@ -92,17 +92,12 @@ class Model:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        ids: list[int] = []
-        for source in (getattr(self.hf, "generation_config", None), self.hf.config):
-            value = getattr(source, "eos_token_id", None) if source is not None else None
-            if value is None:
-                continue
-            for i in value if isinstance(value, (list, tuple)) else [value]:
-                if i is not None and int(i) not in ids:
-                    ids.append(int(i))
-        if not ids and getattr(self.tokenizer, "eos_token_id", None) is not None:
-            ids.append(int(self.tokenizer.eos_token_id))
-        return tuple(ids)
+        """EOS ids as transformers' generate() uses them: generation config, else model config, else tokenizer."""
+        for source in (getattr(self.hf, "generation_config", None), self.hf.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            if value is not None:
+                return tuple(int(i) for i in (value if isinstance(value, (list, tuple)) else [value]))
+        return ()
 
 
 def cache_root() -> Path:

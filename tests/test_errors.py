@@ -1,0 +1,84 @@
+"""Bad input gets a clear error that names the problem and the fix."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import encode, tiny_llama
+
+from assistgen import ConfigError, ModelLoadError, TokenizerMismatchError, generate, load_model
+from assistgen.models import Model
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama()
+
+
+@pytest.mark.parametrize(
+    "prompt, settings, message",
+    [
+        ("", {}, "prompt is empty"),
+        ("   ", {}, "prompt is empty"),
+        ([], {}, "prompt is empty"),
+        ("hi", {"max_new_tokens": 0}, "max_new_tokens must be at least 1"),
+        ("hi", {"max_new_tokens": 2.5}, "max_new_tokens must be an integer"),
+        ("hi", {"temperature": -0.5}, "temperature must be >= 0"),
+        ("hi", {"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ("hi", {"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ("hi", {"top_k": -1}, "top_k must be an integer >= 0"),
+        ("hi", {"stop": [""]}, "stop strings must be non-empty"),
+        ("hi", {"max_tokens": 5}, "Unknown generation setting"),
+        ([1, 2, 10_000], {}, "outside the model's vocabulary"),
+    ],
+)
+def test_bad_settings(target, prompt, settings, message):
+    with pytest.raises(ConfigError, match=message):
+        generate(target, prompt, **settings)
+
+
+def test_prompt_longer_than_the_context(target):
+    with pytest.raises(ConfigError, match="context length is 512"):
+        generate(target, encode("x" * 600))
+
+
+def test_chat_without_a_template(target):
+    with pytest.raises(ConfigError, match="no chat template"):
+        generate(target, "hello", chat=True)
+
+
+def test_assistant_and_lookup_together(target):
+    with pytest.raises(ConfigError, match="either an assistant model or prompt lookup"):
+        generate(target, "hello", assistant=target, lookup=True)
+
+
+def test_incompatible_tokenizers_are_refused(target):
+    from conftest import SMALL_TOKENIZER
+
+    other = Model(tiny_llama(seed=1, tokenizer=SMALL_TOKENIZER).hf, SMALL_TOKENIZER, "small-vocab")
+    with pytest.raises(TokenizerMismatchError, match="tokenizers of .* differ"):
+        generate(target, "hello", assistant=other)
+
+
+def test_unknown_model_alias():
+    with pytest.raises(ModelLoadError, match="Unknown model 'smollm3'.*smollm2-135m"):
+        load_model("smollm3")
+
+
+def test_unreachable_hub_id_names_the_alternatives(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelLoadError, match="cannot be reached.*embedded model"):
+        load_model("someone/not-a-cached-model")
+
+
+def test_missing_gguf_file(tmp_path):
+    with pytest.raises(ModelLoadError, match="GGUF file not found"):
+        load_model(str(tmp_path / "nope.gguf"))
+
+
+def test_folder_without_a_model(tmp_path):
+    with pytest.raises(ModelLoadError, match="not a model folder"):
+        load_model(str(tmp_path))
