@@ -72,7 +72,8 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     exp = torch.cat([expected[big], expected[~big].sum()[None]])
     keep = exp > 0
     assert observed[~(probs.flatten() > 0)].sum() == 0, "sampled a pair the target gives probability 0"
-    return float(chisquare(obs[keep].numpy(), exp[keep].numpy() * obs[keep].sum().item() / exp[keep].sum().item()).pvalue)
+    obs, exp = obs[keep].numpy(), exp[keep].numpy()
+    return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))

@@ -16,7 +16,7 @@ from assistgen.drafters import AssistantDrafter, Drafter, NoDrafter, PromptLooku
 from assistgen.engine import Chunk
 from assistgen.engine import stream as run_loop
 from assistgen.models import Model, load_model
-from assistgen.schedules import Constant, Heuristic
+from assistgen.schedules import Heuristic
 from assistgen.stats import Stats
 
 
@@ -90,9 +90,12 @@ def make_drafter(target: Model, assistant: Model | str | Drafter | None, lookup:
     return AssistantDrafter(assistant, target.vocab_size)
 
 
+DEFAULT_MAX_K = 6  # on 2 CPU cores a verification of more than ~7 rows costs almost linearly more
+
+
 def default_schedule(drafter: Drafter):
-    """Model drafters use the reference heuristic (start 5, +2/-1); prompt lookup a constant 10."""
-    return Constant(10) if isinstance(drafter, PromptLookupDrafter) else Heuristic()
+    """The reference heuristic (start 5, +2 / -1), capped at DEFAULT_MAX_K draft tokens."""
+    return Heuristic(max_k=DEFAULT_MAX_K)
 
 
 def stream(
@@ -112,7 +115,8 @@ def stream(
     try:
         config = GenerationConfig(**{k: (tuple(v) if k == "stop" else v) for k, v in settings.items()})
     except TypeError as e:
-        raise ConfigError(f"Unknown generation setting: {e}. Allowed: {', '.join(GenerationConfig.__dataclass_fields__)}.") from e
+        allowed = ", ".join(GenerationConfig.__dataclass_fields__)
+        raise ConfigError(f"Unknown generation setting: {e}. Allowed: {allowed}.") from e
     config.validate()
     target = as_model(model)
     prompt_ids = encode_prompt(target, prompt, chat)

@@ -1,0 +1,102 @@
+"""Command line: `assistgen generate`, `assistgen models`, `assistgen demo`.
+
+Contract: parses arguments into the API's objects (no defaults re-declared here: unset options are
+simply not passed) and prints. Errors from bad input are printed as one line, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from assistgen.api import stream
+from assistgen.config import ConfigError
+from assistgen.models import EMBEDDED, ModelLoadError, converted_dir, is_cached, load_model
+from assistgen.schedules import parse_schedule
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="assistgen", description="Exact assisted generation for causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text, streaming it, then print statistics")
+    gen.add_argument("prompt", help="the prompt text ('-' reads it from standard input)")
+    gen.add_argument("--model", "-m", default="smollm2-135m", help="alias, hub id, local folder or .gguf file")
+    drafter = gen.add_mutually_exclusive_group()
+    drafter.add_argument("--assistant", "-a", help="assistant model with the same tokenizer")
+    drafter.add_argument("--lookup", action="store_true", help="prompt-lookup drafting (no second model)")
+    gen.add_argument("--schedule", type=parse_schedule, help="constant:K | heuristic | confidence:K:T")
+    gen.add_argument("--max-new-tokens", type=int)
+    gen.add_argument("--temperature", type=float, help="0 (default) is greedy")
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--no-fast-linear", action="store_true", help="keep PyTorch's own linear layers")
+    gen.add_argument("--quiet-stats", action="store_true", help="do not print statistics")
+
+    sub.add_parser("models", help="list the embedded model aliases and whether each is converted")
+
+    demo = sub.add_parser("demo", help="plain vs assisted decoding on an embedded model, side by side")
+    demo.add_argument("--model", default=None)
+    demo.add_argument("--max-new-tokens", type=int, default=None)
+    return parser
+
+
+def settings_from(args: argparse.Namespace) -> dict:
+    names = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+    out = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    if args.stop:
+        out["stop"] = tuple(args.stop)
+    return out
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    fast = not args.no_fast_linear and "auto"
+    target = load_model(args.model, fast_linear=fast)
+    assistant = load_model(args.assistant, fast_linear=fast) if args.assistant else None
+    last = None
+    for chunk in stream(target, prompt, assistant=assistant, lookup=args.lookup, schedule=args.schedule,
+                        chat=args.chat, **settings_from(args)):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        last = chunk
+    sys.stdout.write("\n")
+    if not args.quiet_stats:
+        print("\n--- statistics ---", file=sys.stderr)
+        print(last.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    print(f"{'alias':<16}{'cached':<8}{'package':<26}description")
+    for alias, entry in EMBEDDED.items():
+        print(f"{alias:<16}{'yes' if is_cached(alias) else 'no':<8}{entry.package:<26}{entry.description}")
+    print(f"\nconverted models live in {converted_dir('').parent} (set ASSISTGEN_CACHE to move it)")
+    print("also accepted: a Hugging Face hub id, a local model folder, or a path to a .gguf file")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "models":
+            return cmd_models(args)
+        if args.command == "demo":
+            from assistgen.demo import run_demo
+
+            return run_demo(args.model, args.max_new_tokens)
+    except (ConfigError, ModelLoadError, ValueError) as e:
+        print(f"assistgen: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
