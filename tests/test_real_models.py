@@ -1,0 +1,99 @@
+"""Integration tests on the two embedded real models (SmolLM2-135M and Gemma-3-270M)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from conftest import hf_greedy
+
+from assistgen import TokenizerMismatchError, generate, load_model
+from assistgen.api import check_same_tokenizer, encode_prompt
+from assistgen.cli import main
+from assistgen.demo import summary_prompt
+from assistgen.drafters import PromptLookupDrafter
+from assistgen.exactness import first_divergence
+from assistgen.models import Model
+from assistgen.schedules import Constant
+from assistgen.transforms import is_applied
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = [
+    "List three facts about the Moon.",
+    "Write a Python function that reverses a string.",
+    "Repeat exactly: the quick brown fox jumps over the lazy dog, the quick brown fox jumps over the lazy dog.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_fast():
+    model = load_model("smollm2-135m", fast_linear="on")
+    assert is_applied(model.hf)
+    return model
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    return load_model("gemma3-270m", fast_linear="on")
+
+
+def assert_exact_or_near_tie(model: Model, prompt: list[int], reference: list[int], ours: list[int]) -> None:
+    """Token-identical, or the first difference is a floating-point near-tie (see README)."""
+    d = first_divergence(model.hf, prompt, reference, ours)
+    assert d is None or d.near_tie, f"divergence at new token {d.position} with margin {d.margin:.2e}"
+    if d is None:
+        assert ours == reference
+
+
+def shallow_copy_of(model: Model, layers: int) -> Model:
+    hf = copy.deepcopy(model.hf)
+    hf.model.layers = hf.model.layers[:layers]
+    hf.config.num_hidden_layers = layers
+    return Model(hf, model.tokenizer, f"{model.name}[:{layers}]")
+
+
+@pytest.mark.parametrize("text", PROMPTS)
+def test_smollm2_fast_linear_plain_lookup_and_assistant_agree(smollm2_fast, text):
+    model = smollm2_fast
+    ids = encode_prompt(model, text, chat=True)
+    plain = generate(model, ids, max_new_tokens=40).token_ids
+    assert plain == hf_greedy(model, ids, 40, stop_at_eos=True)  # transformers' loop on the same model
+    for kwargs in ({"lookup": True}, {"assistant": shallow_copy_of(model, 20), "schedule": Constant(4)}):
+        assert_exact_or_near_tie(model, ids, plain, generate(model, ids, max_new_tokens=40, **kwargs).token_ids)
+
+
+class WrongTail(PromptLookupDrafter):
+    """Prompt lookup whose last proposed token is always wrong: every step rolls the caches back."""
+
+    def propose(self, ids, k, sampler, min_confidence=0.0):
+        draft = super().propose(ids, k, sampler, min_confidence)
+        if draft.tokens:
+            draft.tokens[-1] = 0 if draft.tokens[-1] else 1
+        return draft
+
+
+def test_gemma3_long_context_past_the_sliding_window(gemma3):
+    """Gemma-3's sliding layers (window 512) rolled back on rejections with ~870 tokens of context."""
+    prompt = summary_prompt() + "\n" + summary_prompt()
+    ids = encode_prompt(gemma3, prompt)
+    assert len(ids) > 512 + 100
+    ours = generate(gemma3, ids, assistant=WrongTail(), max_new_tokens=32, schedule=Constant(4))
+    assert ours.stats.accepted_tokens < ours.stats.drafted_tokens  # rollbacks happened
+    assert_exact_or_near_tie(gemma3, ids, hf_greedy(gemma3, ids, 32, stop_at_eos=True), ours.token_ids)
+
+
+def test_real_tokenizers_differ(gemma3, smollm2_fast):
+    with pytest.raises(TokenizerMismatchError, match="differ"):
+        check_same_tokenizer(gemma3, smollm2_fast)
+
+
+def test_cli_generate_and_models(capsys):
+    assert main(["generate", "--model", "smollm2-135m", "--lookup", "--chat", "--max-new-tokens", "12",
+                 "Name a colour."]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and "acceptance rate" in err and "tok/s" in err
+    assert main(["models"]) == 0
+    assert "smollm2-135m" in capsys.readouterr().out
+    assert main(["generate", "--model", "smollm2-135m", "--top-p", "2", "hi"]) == 2
+    assert "top_p must be in (0, 1]" in capsys.readouterr().err
