@@ -6,6 +6,7 @@ import pytest
 from conftest import encode, tiny_llama
 
 from assistgen import ConfigError, ModelLoadError, TokenizerMismatchError, generate, load_model
+from assistgen.drafters import AssistantDrafter
 from assistgen.models import Model
 
 
@@ -51,12 +52,14 @@ def test_assistant_and_lookup_together(target):
         generate(target, "hello", assistant=target, lookup=True)
 
 
-def test_incompatible_tokenizers_are_refused(target):
+def test_same_tokenizer_drafter_refuses_a_different_tokenizer(target):
     from conftest import SMALL_TOKENIZER
 
     other = Model(tiny_llama(seed=1, tokenizer=SMALL_TOKENIZER).hf, SMALL_TOKENIZER, "small-vocab")
-    with pytest.raises(TokenizerMismatchError, match="tokenizers of .* differ"):
-        generate(target, "hello", assistant=other)
+    with pytest.raises(TokenizerMismatchError, match="tokenizers of .* differ.*universal mode"):
+        AssistantDrafter(other, target)
+    # generate() itself switches to universal mode instead
+    assert generate(target, "hello", assistant=other, max_new_tokens=4).stats.mode == "universal"
 
 
 def test_unknown_model_alias():

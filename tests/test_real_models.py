@@ -8,10 +8,10 @@ import pytest
 from conftest import hf_greedy
 
 from assistgen import TokenizerMismatchError, generate, load_model
-from assistgen.api import check_same_tokenizer, encode_prompt
+from assistgen.api import encode_prompt
 from assistgen.cli import main
 from assistgen.demo import summary_prompt
-from assistgen.drafters import PromptLookupDrafter
+from assistgen.drafters import PromptLookupDrafter, check_same_tokenizer
 from assistgen.exactness import first_divergence
 from assistgen.models import Model
 from assistgen.schedules import Constant

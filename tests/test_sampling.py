@@ -44,20 +44,20 @@ def warp(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) -> torch.Ten
 
 
 @torch.inference_mode()
-def exact_two_token_distribution(target, **settings) -> torch.Tensor:
+def exact_two_token_distribution(target, prompt=PROMPT, **settings) -> torch.Tensor:
     """P(t1, t2 | prompt) for every pair: [vocab, vocab]."""
     hf = target.hf
-    p1 = warp(hf(torch.tensor([PROMPT])).logits[0, -1], **settings)  # [vocab]
+    p1 = warp(hf(torch.tensor([prompt])).logits[0, -1], **settings)  # [vocab]
     vocab = p1.shape[0]
-    seqs = torch.tensor([PROMPT + [t] for t in range(vocab)])  # [vocab, len+1]
+    seqs = torch.tensor([prompt + [t] for t in range(vocab)])  # [vocab, len+1]
     p2 = torch.stack([warp(row, **settings) for row in hf(seqs).logits[:, -1]])  # [vocab, vocab]
     return p1[:, None] * p2
 
 
-def sample_pairs(target, n: int, **kwargs) -> torch.Tensor:
+def sample_pairs(target, n: int, prompt=PROMPT, **kwargs) -> torch.Tensor:
     counts = torch.zeros(target.vocab_size, target.vocab_size)
     for seed in range(n):
-        out = generate(target, PROMPT, max_new_tokens=2, seed=seed, eos_token_ids=(), **kwargs)
+        out = generate(target, prompt, max_new_tokens=2, seed=seed, eos_token_ids=(), **kwargs)
         counts[out.token_ids[0], out.token_ids[1]] += 1
     return counts
 

@@ -1,14 +1,22 @@
 """assistgen: exact assisted (speculative) generation for Hugging Face causal language models."""
 
-from assistgen.api import Generation, TokenizerMismatchError, generate, stream
+from assistgen.api import Generation, generate, stream
 from assistgen.config import ConfigError, GenerationConfig
-from assistgen.drafters import AssistantDrafter, Draft, Drafter, NoDrafter, PromptLookupDrafter
+from assistgen.drafters import (
+    AssistantDrafter,
+    Draft,
+    Drafter,
+    NoDrafter,
+    PromptLookupDrafter,
+    TokenizerMismatchError,
+)
 from assistgen.models import Model, ModelLoadError, load_model
 from assistgen.schedules import Constant, Heuristic, confidence
 from assistgen.stats import Stats
+from assistgen.universal import UniversalDrafter
 
 __all__ = [
     "AssistantDrafter", "ConfigError", "Constant", "Draft", "Drafter", "Generation", "GenerationConfig",
     "Heuristic", "Model", "ModelLoadError", "NoDrafter", "PromptLookupDrafter", "Stats",
-    "TokenizerMismatchError", "confidence", "generate", "load_model", "stream",
+    "TokenizerMismatchError", "UniversalDrafter", "confidence", "generate", "load_model", "stream",
 ]

@@ -12,16 +12,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from assistgen.config import ConfigError, GenerationConfig
-from assistgen.drafters import AssistantDrafter, Drafter, NoDrafter, PromptLookupDrafter
+from assistgen.drafters import AssistantDrafter, Drafter, NoDrafter, PromptLookupDrafter, same_tokenizer
 from assistgen.engine import Chunk
 from assistgen.engine import stream as run_loop
 from assistgen.models import Model, load_model
 from assistgen.schedules import Heuristic
 from assistgen.stats import Stats
-
-
-class TokenizerMismatchError(ValueError):
-    """The assistant does not share the target's tokenizer."""
+from assistgen.universal import UniversalDrafter
 
 
 @dataclass
@@ -62,20 +59,6 @@ def encode_prompt(model: Model, prompt: str | list[int], chat: bool = False) -> 
     return list(tok(prompt)["input_ids"])
 
 
-def check_same_tokenizer(target: Model, assistant: Model) -> None:
-    """Same-tokenizer assisted generation needs every token string to map to the same id."""
-    a, b = target.tokenizer.get_vocab(), assistant.tokenizer.get_vocab()
-    if a == b:
-        return
-    differing = [t for t in a if b.get(t) != a[t]][:3]
-    raise TokenizerMismatchError(
-        f"The tokenizers of {target.name} ({len(a)} tokens) and assistant {assistant.name} ({len(b)} tokens) "
-        f"differ (e.g. {', '.join(repr(t) for t in differing) or 'extra tokens in the assistant'}). "
-        "A same-tokenizer assistant must map every token to the same id: pick an assistant from the "
-        "target's model family, or use prompt lookup (lookup=True / --lookup)."
-    )
-
-
 def make_drafter(target: Model, assistant: Model | str | Drafter | None, lookup: bool) -> Drafter:
     if assistant is not None and lookup:
         raise ConfigError("Choose either an assistant model or prompt lookup, not both.")
@@ -86,8 +69,9 @@ def make_drafter(target: Model, assistant: Model | str | Drafter | None, lookup:
     if hasattr(assistant, "propose") and hasattr(assistant, "observe"):
         return assistant
     assistant = as_model(assistant)
-    check_same_tokenizer(target, assistant)
-    return AssistantDrafter(assistant, target.vocab_size)
+    if same_tokenizer(target, assistant):
+        return AssistantDrafter(assistant, target)
+    return UniversalDrafter(assistant, target)  # different tokenizers: translate through text
 
 
 DEFAULT_MAX_K = 6  # on 2 CPU cores a verification of more than ~7 rows costs almost linearly more

@@ -5,8 +5,11 @@ Contract: a drafter implements
         ids: the whole current sequence (prompt + emitted tokens); propose up to k *new* tokens
         that follow it, with the draft distribution q each was drawn from ([n, vocab] in the
         target's vocabulary) or None when there is none;
-    observe(num_accepted) -> None
-        told how many of the last proposal's tokens the target accepted;
+    observe(num_accepted, target_probs) -> None
+        told how many of the last proposal's tokens the target accepted (and, when sampling, the
+        target's distributions p at the verified positions, [k+1, vocab]; None when greedy);
+    report() -> dict
+        drafter-specific figures for the statistics;
 and a `context_length` (None when unbounded). Drafters never see the target's cache and never
 decide acceptance; the generation loop in `engine.py` does. Plain decoding is `NoDrafter`.
 """
@@ -37,7 +40,9 @@ class Drafter(Protocol):
 
     def propose(self, ids: list[int], k: int, sampler: Sampler, min_confidence: float = 0.0) -> Draft: ...
 
-    def observe(self, num_accepted: int) -> None: ...
+    def observe(self, num_accepted: int, target_probs: torch.Tensor | None = None) -> None: ...
+
+    def report(self) -> dict: ...
 
 
 class NoDrafter:
@@ -49,8 +54,11 @@ class NoDrafter:
     def propose(self, ids: list[int], k: int, sampler: Sampler, min_confidence: float = 0.0) -> Draft:
         return Draft()
 
-    def observe(self, num_accepted: int) -> None:
+    def observe(self, num_accepted: int, target_probs: torch.Tensor | None = None) -> None:
         pass
+
+    def report(self) -> dict:
+        return {}
 
 
 class AssistantDrafter:
@@ -63,10 +71,11 @@ class AssistantDrafter:
 
     name = "assistant"
 
-    def __init__(self, assistant: Model, target_vocab_size: int):
+    def __init__(self, assistant: Model, target: Model):
+        check_same_tokenizer(target, assistant)
         self.model = assistant
         self.cache = KVCache(assistant.hf)
-        self.vocab_size = target_vocab_size
+        self.vocab_size = target.vocab_size
         self.context_length = assistant.context_length
 
     def propose(self, ids: list[int], k: int, sampler: Sampler, min_confidence: float = 0.0) -> Draft:
@@ -94,8 +103,33 @@ class AssistantDrafter:
             draft.probs = torch.stack(rows)  # [n, vocab]
         return draft
 
-    def observe(self, num_accepted: int) -> None:
+    def observe(self, num_accepted: int, target_probs: torch.Tensor | None = None) -> None:
         pass  # the next propose() syncs the cache to whatever the target emitted
+
+    def report(self) -> dict:
+        return {}
+
+
+class TokenizerMismatchError(ValueError):
+    """The assistant does not share the target's tokenizer."""
+
+
+def same_tokenizer(target: Model, assistant: Model) -> bool:
+    return target.tokenizer.get_vocab() == assistant.tokenizer.get_vocab()
+
+
+def check_same_tokenizer(target: Model, assistant: Model) -> None:
+    """Same-tokenizer drafting needs every token string to map to the same id."""
+    a, b = target.tokenizer.get_vocab(), assistant.tokenizer.get_vocab()
+    if a == b:
+        return
+    differing = [t for t in a if b.get(t) != a[t]][:3]
+    raise TokenizerMismatchError(
+        f"The tokenizers of {target.name} ({len(a)} tokens) and assistant {assistant.name} ({len(b)} tokens) "
+        f"differ (e.g. {', '.join(repr(t) for t in differing) or 'extra tokens in the assistant'}). "
+        "AssistantDrafter needs the same tokenizer; pass the assistant to generate() instead, which "
+        "switches to universal mode (UniversalDrafter) for different tokenizers."
+    )
 
 
 def fit_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:
@@ -126,8 +160,11 @@ class PromptLookupDrafter:
     def propose(self, ids: list[int], k: int, sampler: Sampler, min_confidence: float = 0.0) -> Draft:
         return Draft(tokens=lookup_continuation(ids, k, self.max_ngram, self.min_ngram))
 
-    def observe(self, num_accepted: int) -> None:
+    def observe(self, num_accepted: int, target_probs: torch.Tensor | None = None) -> None:
         pass
+
+    def report(self) -> dict:
+        return {}
 
 
 def lookup_continuation(ids: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:

@@ -50,9 +50,9 @@ def stream(
     while finish is None:
         k = max(0, min(schedule.next_k(), context - len(ids) - 1))  # the sequence never outgrows the context
         draft = propose(drafter, ids, k, sampler, schedule.min_confidence, stats)
-        accepted, token = verify(cache, ids, draft, sampler, stats)
+        accepted, token, p = verify(cache, ids, draft, sampler, stats)
         cache.crop(len(ids) + accepted)  # roll back the rejected draft positions
-        drafter.observe(accepted)
+        drafter.observe(accepted, p)
         schedule.update(len(draft.tokens), accepted)
         stats.record_step(len(draft.tokens), accepted)
 
@@ -65,6 +65,7 @@ def stream(
         stats.total_s = time.perf_counter() - started
         if finish:
             stats.finish_reason = finish
+            stats.notes.update(drafter.report())
         yield Chunk(new, text.delta(final=finish is not None), finish, stats)
 
 
@@ -89,16 +90,21 @@ def propose(drafter: Drafter, ids: list[int], k: int, sampler: Sampler, min_conf
     return draft
 
 
-def verify(cache: KVCache, ids: list[int], draft: Draft, sampler: Sampler, stats: Stats) -> tuple[int, int]:
-    """One target forward over [last token, d_1..d_k]; returns (accepted draft tokens, next token)."""
+def verify(cache: KVCache, ids: list[int], draft: Draft, sampler: Sampler, stats: Stats):
+    """One target forward over [last token, d_1..d_k].
+
+    Returns (accepted draft tokens, next token, p [k+1, vocab] when sampling else None).
+    """
     t = time.perf_counter()
     logits = cache.feed([ids[-1]] + draft.tokens, logits_to_keep=len(draft.tokens) + 1)  # [k+1, vocab]
+    p = None
     if sampler.greedy:
-        result = verify_greedy(logits, draft.tokens)
+        accepted, token = verify_greedy(logits, draft.tokens)
     else:
-        result = verify_speculative(sampler.probs(logits), draft.probs, draft.tokens, sampler)
+        p = sampler.probs(logits)
+        accepted, token = verify_speculative(p, draft.probs, draft.tokens, sampler)
     stats.verify_s += time.perf_counter() - t
-    return result
+    return accepted, token, p
 
 
 def apply_stops(

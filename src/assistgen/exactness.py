@@ -32,7 +32,7 @@ def top2_margin(hf: torch.nn.Module, ids: list[int]) -> float:
 
 def first_divergence(hf: torch.nn.Module, prompt: list[int], a: list[int], b: list[int]) -> Divergence | None:
     """None when one sequence is a prefix of the other (e.g. identical)."""
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return Divergence(i, top2_margin(hf, prompt + a[:i]))
     return None

@@ -25,6 +25,7 @@ class Stats:
     verify_s: float = 0.0
     total_s: float = 0.0
     finish_reason: str = ""
+    notes: dict = field(default_factory=dict)  # drafter-specific figures (universal mode: vocab intersection)
 
     def record_step(self, drafted: int, accepted: int) -> None:
         self.steps += 1
@@ -71,4 +72,5 @@ class Stats:
             f"time: prefill {self.prefill_s:.2f} s, drafting {self.draft_s:.2f} s, verifying {self.verify_s:.2f} s, "
             f"other {self.other_s:.2f} s",
         ]
+        lines += [f"{key.replace('_', ' ')}: {value}" for key, value in self.notes.items()]
         return "\n".join(lines)
