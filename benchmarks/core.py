@@ -54,10 +54,10 @@ def bench(model_name: str, n: int, repeats: int) -> list[dict]:
     for prompt_name, text in PROMPTS.items():
         ids = encode_prompt(model, text, chat=chat)
         methods = {
-            "hf plain": lambda: hf_generate(model, ids, n),
-            "hf lookup(10)": lambda: hf_generate(model, ids, n, prompt_lookup_num_tokens=10),
-            "assistgen plain": lambda: ours(model, ids, n),
-            "assistgen lookup": lambda: ours(model, ids, n, lookup=True),
+            "hf plain": lambda ids=ids: hf_generate(model, ids, n),
+            "hf lookup(10)": lambda ids=ids: hf_generate(model, ids, n, prompt_lookup_num_tokens=10),
+            "assistgen plain": lambda ids=ids: ours(model, ids, n),
+            "assistgen lookup": lambda ids=ids: ours(model, ids, n, lookup=True),
         }
         for fn in methods.values():  # warm-up
             fn()

@@ -65,9 +65,9 @@ def main(argv=None) -> int:
                 rows.append({"model": name, "prompt": i, "pair": pair, "identical": a == b,
                              "position": d.position if d else None, "margin": d.margin if d else None,
                              "near_tie": d.near_tie if d else None})
+                tie = "near-tie" if d and d.near_tie else "NOT a tie"
                 status = "identical" if a == b else (
-                    f"differs at token {d.position}, margin {d.margin:.2e} ({'near-tie' if d.near_tie else 'NOT a tie'})"
-                    if d else "prefix (stopped earlier)")
+                    f"differs at token {d.position}, margin {d.margin:.2e} ({tie})" if d else "prefix (stopped early)")
                 print(f"{name:<14} prompt {i:<3}{pair:<18}{status}", flush=True)
     differing = [r for r in rows if not r["identical"]]
     print(f"\n{len(rows)} comparisons, {len(differing)} differ, "

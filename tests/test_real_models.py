@@ -97,3 +97,22 @@ def test_cli_generate_and_models(capsys):
     assert "smollm2-135m" in capsys.readouterr().out
     assert main(["generate", "--model", "smollm2-135m", "--top-p", "2", "hi"]) == 2
     assert "top_p must be in (0, 1]" in capsys.readouterr().err
+
+
+UNIVERSAL_PROMPTS = {
+    "story": "Once upon a time, in a small village by the sea, there lived",
+    "code": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "italian": "La città di Roma è famosa per",
+    "chinese": "中国的首都是北京。北京是一个",
+    "emoji": "My favourite emojis are 😀, 🎉 and",
+    "list": "Three tips for better sleep:\n1.",
+}
+
+
+@pytest.mark.parametrize("name", list(UNIVERSAL_PROMPTS))
+def test_universal_gemma3_drafted_by_smollm2_is_exact(gemma3, smollm2_fast, name):
+    ids = encode_prompt(gemma3, UNIVERSAL_PROMPTS[name])
+    plain = generate(gemma3, ids, max_new_tokens=32)
+    ours = generate(gemma3, ids, assistant=smollm2_fast, max_new_tokens=32)
+    assert ours.stats.mode == "universal" and ours.stats.draft_forward_passes > 0
+    assert_exact_or_near_tie(gemma3, ids, plain.token_ids, ours.token_ids)

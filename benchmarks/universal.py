@@ -1,0 +1,122 @@
+"""Universal assisted generation, side by side with transformers' own (UAG), on Gemma-3-270M <- SmolLM2-135M.
+
+For each prompt the methods run interleaved after one warm-up: transformers plain `generate()`,
+transformers UAG (`generate(assistant_model=..., tokenizer=..., assistant_tokenizer=...)`), both on
+the unmodified models; assistgen plain and assistgen universal (small-row linear transform on).
+Assistant forward passes are counted for both implementations. Prints a table, then one JSON line.
+
+    python benchmarks/universal.py [--tokens 128] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from assistgen import generate, load_model
+from assistgen.api import encode_prompt
+from assistgen.transforms import remove_small_rows_linear, small_rows_linear
+
+PROMPTS = {
+    "story": "Write a short story about a lighthouse keeper who finds a message in a bottle.\n\n",
+    "code": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "summary": None,  # filled with the demo's article
+    "italian": "La città di Roma è famosa per",
+}
+
+
+class ForwardCounter:
+    def __init__(self, module: torch.nn.Module):
+        self.count = 0
+        module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *args):
+        self.count += 1
+
+
+def main(argv=None) -> int:
+    from assistgen.demo import summary_prompt
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="gemma3-270m")
+    ap.add_argument("--assistant", default="smollm2-135m")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args(argv)
+    PROMPTS["summary"] = summary_prompt()
+    target = load_model(args.target, fast_linear="on")
+    assistant = load_model(args.assistant, fast_linear="on")
+    counter = ForwardCounter(assistant.hf)
+    n = args.tokens
+
+    def hf(ids, uag: bool):
+        remove_small_rows_linear(target.hf)
+        remove_small_rows_linear(assistant.hf)
+        extra = {"assistant_model": assistant.hf, "tokenizer": target.tokenizer,
+                 "assistant_tokenizer": assistant.tokenizer} if uag else {}
+        try:
+            counter.count = 0
+            t = time.perf_counter()
+            out = target.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     max_new_tokens=n, do_sample=False, **extra)
+            return out[0, len(ids):].tolist(), time.perf_counter() - t, counter.count
+        finally:
+            small_rows_linear(target.hf, mode="on")
+            small_rows_linear(assistant.hf, mode="on")
+
+    def ours(ids, universal: bool):
+        counter.count = 0
+        t = time.perf_counter()
+        out = generate(target, ids, assistant=assistant if universal else None, max_new_tokens=n)
+        return out.token_ids, time.perf_counter() - t, counter.count, out.stats
+
+    rows = []
+    for name, text in PROMPTS.items():
+        ids = encode_prompt(target, text)
+        methods = {
+            "hf plain": lambda ids=ids: hf(ids, False),
+            "hf UAG": lambda ids=ids: hf(ids, True),
+            "assistgen plain": lambda ids=ids: ours(ids, False),
+            "assistgen universal": lambda ids=ids: ours(ids, True),
+        }
+        for fn in methods.values():
+            fn()
+        times = {m: [] for m in methods}
+        results = {}
+        for _ in range(args.repeats):
+            for m, fn in methods.items():
+                results[m] = fn()
+                times[m].append(results[m][1])
+        for m in methods:
+            tokens, _, passes = results[m][:3]
+            stats = results[m][3] if len(results[m]) > 3 else None
+            t = statistics.median(times[m])
+            rows.append({
+                "prompt": name, "method": m, "new_tokens": len(tokens), "tok_s": len(tokens) / t,
+                "assistant_forward_passes": passes,
+                "identical_to_hf_plain": tokens == results["hf plain"][0],
+                "vs_hf_plain": (len(tokens) / t) / (len(results["hf plain"][0]) / statistics.median(times["hf plain"])),
+                "acceptance_rate": stats.acceptance_rate if stats else None,
+                "notes": stats.notes if stats else {},
+            })
+    by = {(r["prompt"], r["method"]): r for r in rows}
+    print(f"{'prompt':<10}{'method':<22}{'tok/s':>7}{'vs hf plain':>13}{'vs hf UAG':>11}{'asst fwd':>10}"
+          f"{'same as hf plain':>18}{'accept':>8}")
+    for r in rows:
+        uag = by[(r["prompt"], "hf UAG")]["tok_s"]
+        acc = f"{r['acceptance_rate']:.0%}" if r["acceptance_rate"] is not None else "-"
+        print(f"{r['prompt']:<10}{r['method']:<22}{r['tok_s']:>7.1f}{r['vs_hf_plain']:>12.2f}x"
+              f"{r['tok_s'] / uag:>10.2f}x{r['assistant_forward_passes']:>10}"
+              f"{str(r['identical_to_hf_plain']):>18}{acc:>8}")
+    print(json.dumps({"benchmark": "universal", "target": args.target, "assistant": args.assistant,
+                      "tokens": n, "repeats": args.repeats, "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
