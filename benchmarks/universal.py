@@ -25,7 +25,6 @@ from assistgen.transforms import remove_small_rows_linear, small_rows_linear
 PROMPTS = {
     "story": "Write a short story about a lighthouse keeper who finds a message in a bottle.\n\n",
     "code": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "summary": None,  # filled with the demo's article
     "italian": "La città di Roma è famosa per",
 }
 
@@ -40,21 +39,18 @@ class ForwardCounter:
 
 
 def main(argv=None) -> int:
-    from assistgen.demo import summary_prompt
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="gemma3-270m")
     ap.add_argument("--assistant", default="smollm2-135m")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args(argv)
-    PROMPTS["summary"] = summary_prompt()
     target = load_model(args.target, fast_linear="on")
     assistant = load_model(args.assistant, fast_linear="on")
     counter = ForwardCounter(assistant.hf)
     n = args.tokens
 
-    def hf(ids, uag: bool):
+    def hf(ids, uag: bool, n=n):
         remove_small_rows_linear(target.hf)
         remove_small_rows_linear(assistant.hf)
         extra = {"assistant_model": assistant.hf, "tokenizer": target.tokenizer,
@@ -69,7 +65,7 @@ def main(argv=None) -> int:
             small_rows_linear(target.hf, mode="on")
             small_rows_linear(assistant.hf, mode="on")
 
-    def ours(ids, universal: bool):
+    def ours(ids, universal: bool, n=n):
         counter.count = 0
         t = time.perf_counter()
         out = generate(target, ids, assistant=assistant if universal else None, max_new_tokens=n)
@@ -79,13 +75,13 @@ def main(argv=None) -> int:
     for name, text in PROMPTS.items():
         ids = encode_prompt(target, text)
         methods = {
-            "hf plain": lambda ids=ids: hf(ids, False),
-            "hf UAG": lambda ids=ids: hf(ids, True),
-            "assistgen plain": lambda ids=ids: ours(ids, False),
-            "assistgen universal": lambda ids=ids: ours(ids, True),
+            "hf plain": lambda ids=ids, **kw: hf(ids, False, **kw),
+            "hf UAG": lambda ids=ids, **kw: hf(ids, True, **kw),
+            "assistgen plain": lambda ids=ids, **kw: ours(ids, False, **kw),
+            "assistgen universal": lambda ids=ids, **kw: ours(ids, True, **kw),
         }
         for fn in methods.values():
-            fn()
+            fn(n=8)  # warm-up (short: transformers' UAG runs at a few tokens per second here)
         times = {m: [] for m in methods}
         results = {}
         for _ in range(args.repeats):

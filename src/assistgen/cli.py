@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt text ('-' reads it from standard input)")
     gen.add_argument("--model", "-m", default="smollm2-135m", help="alias, hub id, local folder or .gguf file")
     drafter = gen.add_mutually_exclusive_group()
-    drafter.add_argument("--assistant", "-a", help="assistant model with the same tokenizer")
+    drafter.add_argument("--assistant", "-a",
+                         help="assistant model (any tokenizer: a different one switches to universal mode)")
     drafter.add_argument("--lookup", action="store_true", help="prompt-lookup drafting (no second model)")
     gen.add_argument("--schedule", type=parse_schedule, help="constant:K | heuristic | confidence:K:T")
     gen.add_argument("--max-new-tokens", type=int)
