@@ -11,7 +11,7 @@ import sys
 from importlib.resources import files
 
 from assistgen.api import encode_prompt, generate
-from assistgen.models import is_cached, load_model
+from assistgen.models import load_model
 
 DEFAULT_MODEL = "gemma3-270m"
 DEFAULT_TOKENS = 128
@@ -25,9 +25,7 @@ def summary_prompt() -> str:
 def run_demo(model_name: str | None = None, max_new_tokens: int | None = None) -> int:
     model_name = model_name or DEFAULT_MODEL
     n = max_new_tokens or DEFAULT_TOKENS
-    if not is_cached(model_name):
-        print(f"First run: converting {model_name} from its GGUF file (about a minute, once).", flush=True)
-    model = load_model(model_name)
+    model = load_model(model_name)  # the first run says on screen that it converts the GGUF file
     chat = bool(getattr(model.tokenizer, "chat_template", None))
     ids = encode_prompt(model, summary_prompt(), chat=chat)
     print(f"Model {model_name}; summarization prompt of {len(ids)} tokens; {n} new tokens, greedy.\n", flush=True)
