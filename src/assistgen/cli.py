@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from assistgen.api import stream
+from assistgen.bench.dataset import DatasetError
 from assistgen.config import ConfigError
 from assistgen.models import EMBEDDED, ModelLoadError, converted_dir, is_cached, load_model
 from assistgen.schedules import parse_schedule
@@ -38,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet-stats", action="store_true", help="do not print statistics")
 
     sub.add_parser("models", help="list the embedded model aliases and whether each is converted")
+
+    from assistgen.bench.command import add_arguments
+
+    add_arguments(sub.add_parser("bench", help="latency tables on a prompt set, side by side with transformers"))
 
     demo = sub.add_parser("demo", help="plain vs assisted decoding on an embedded model, side by side")
     demo.add_argument("--model", default=None)
@@ -87,11 +92,15 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "models":
             return cmd_models(args)
+        if args.command == "bench":
+            from assistgen.bench.command import run_command
+
+            return run_command(args)
         if args.command == "demo":
             from assistgen.demo import run_demo
 
             return run_demo(args.model, args.max_new_tokens)
-    except (ConfigError, ModelLoadError, ValueError) as e:
+    except (ConfigError, ModelLoadError, DatasetError, ValueError) as e:
         print(f"assistgen: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,0 +1,245 @@
+"""Running benchmark methods interleaved per prompt, with resumable results.
+
+Contract: a method is `plain`, `lookup` or `assistant` (assistgen, optionally `@schedule`, e.g.
+`lookup@constant:4`) or `hf-plain`, `hf-lookup`, `hf-assistant` (transformers' `generate()` on the
+unmodified model: prompt_lookup_num_tokens=10, assistant_model=..., and universal assisted
+generation with tokenizer=/assistant_tokenizer= when the tokenizers differ). For each prompt and
+temperature every method runs once, one after the other (A B C, A B C, ...), so drift on a noisy
+machine hits all alike. Each run becomes one record (a dict) appended to the results file at once;
+a rerun with the same file skips the records already there.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from assistgen.api import encode_prompt, generate
+from assistgen.bench.dataset import Prompt
+from assistgen.drafters import same_tokenizer
+from assistgen.models import Model
+from assistgen.schedules import parse_schedule
+from assistgen.transforms import is_applied, remove_small_rows_linear, small_rows_linear
+
+DRAFTERS = ("plain", "lookup", "assistant")
+HF_LOOKUP_TOKENS = 10
+
+
+@dataclass(frozen=True)
+class Method:
+    spec: str
+    engine: str  # "assistgen" or "hf"
+    drafter: str  # plain | lookup | assistant
+    schedule: str | None = None
+
+    @property
+    def equivalent(self) -> str:
+        """transformers' counterpart of an assistgen method."""
+        return f"hf-{self.drafter}"
+
+    @property
+    def needs_assistant(self) -> bool:
+        return self.drafter == "assistant"
+
+
+def parse_method(spec: str) -> Method:
+    name, _, schedule = spec.strip().partition("@")
+    engine = "hf" if name.startswith("hf-") else "assistgen"
+    drafter = name[3:] if engine == "hf" else name
+    if drafter not in DRAFTERS:
+        raise ValueError(f"Unknown method {spec!r}: use plain, lookup, assistant (optionally @schedule) "
+                         "or hf-plain, hf-lookup, hf-assistant.")
+    if schedule:
+        if engine == "hf":
+            raise ValueError(f"{spec!r}: transformers' methods take no schedule.")
+        if drafter == "plain":
+            raise ValueError(f"{spec!r}: plain decoding drafts nothing, so it takes no schedule.")
+        parse_schedule(schedule)  # validate now, not halfway through a run
+    return Method(spec.strip(), engine, drafter, schedule or None)
+
+
+class ForwardCounter:
+    """Counts top-level forward calls of a module."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.count = 0
+        self.handle = module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *args) -> None:
+        self.count += 1
+
+    def close(self) -> None:
+        self.handle.remove()
+
+
+@dataclass
+class Runner:
+    target: Model
+    assistant: Model | None = None
+    max_new_tokens: int = 128
+    chat: bool = False
+    turn: int = 1
+    seed: int = 0
+
+    def key(self, prompt: Prompt, method: Method, temperature: float) -> str:
+        assistant = self.assistant.name if self.assistant else "-"
+        return (f"{self.target.name}|{assistant}|{prompt.question_id}|{method.spec}|t={temperature}"
+                f"|n={self.max_new_tokens}|turn={self.turn}|chat={self.chat}")
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        return encode_prompt(self.target, prompt.turns[self.turn - 1], chat=self.chat)
+
+    def run(self, method: Method, ids: list[int], temperature: float, max_new_tokens: int) -> dict:
+        if method.needs_assistant and self.assistant is None:
+            raise ValueError(f"Method {method.spec} needs --assistant.")
+        counters = [ForwardCounter(self.target.hf)] + ([ForwardCounter(self.assistant.hf)] if self.assistant else [])
+        try:
+            run = self._run_hf if method.engine == "hf" else self._run_ours
+            record = run(method, ids, temperature, max_new_tokens)
+        finally:
+            for c in counters:
+                c.close()
+        record["target_forward_passes"] = counters[0].count
+        record["draft_forward_passes"] = counters[1].count if len(counters) > 1 else 0
+        return record
+
+    def _run_ours(self, method, ids, temperature, max_new_tokens) -> dict:
+        kwargs = {"lookup": method.drafter == "lookup",
+                  "assistant": self.assistant if method.drafter == "assistant" else None}
+        if method.schedule:
+            kwargs["schedule"] = parse_schedule(method.schedule)
+        start = time.perf_counter()
+        out = generate(self.target, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=self.seed,
+                       **kwargs)
+        seconds = time.perf_counter() - start
+        s = out.stats
+        return {"tokens": out.token_ids, "seconds": seconds, "mode": s.mode, "steps": s.steps,
+                "drafted": s.drafted_tokens, "accepted": s.accepted_tokens, "draft_s": s.draft_s,
+                "verify_s": s.verify_s, "draft_calls": s.draft_forward_passes, "notes": s.notes}
+
+    def _run_hf(self, method, ids, temperature, max_new_tokens) -> dict:
+        kwargs: dict = {"max_new_tokens": max_new_tokens}
+        if temperature > 0:
+            kwargs.update(do_sample=True, temperature=temperature, top_k=0)
+        else:
+            kwargs.update(do_sample=False)
+        if method.drafter == "lookup":
+            kwargs["prompt_lookup_num_tokens"] = HF_LOOKUP_TOKENS
+        if method.drafter == "assistant":
+            kwargs["assistant_model"] = self.assistant.hf
+            if not same_tokenizer(self.target, self.assistant):
+                kwargs.update(tokenizer=self.target.tokenizer, assistant_tokenizer=self.assistant.tokenizer)
+        models = [self.target.hf] + ([self.assistant.hf] if method.drafter == "assistant" else [])
+        with unmodified(models):
+            torch.manual_seed(self.seed)
+            start = time.perf_counter()
+            out = self.target.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                          pad_token_id=self.target.tokenizer.pad_token_id
+                                          or (self.target.eos_token_ids or (0,))[0], **kwargs)
+            seconds = time.perf_counter() - start
+        return {"tokens": out[0, len(ids):].tolist(), "seconds": seconds, "mode": method.spec}
+
+
+class unmodified:
+    """Context manager: transformers runs on the models as PyTorch ships them (no small-row transform)."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        self.modules = [m for m in modules if is_applied(m)]
+
+    def __enter__(self):
+        for m in self.modules:
+            remove_small_rows_linear(m)
+
+    def __exit__(self, *exc):
+        for m in self.modules:
+            small_rows_linear(m, mode="on")
+
+
+def load_done(path: Path | None) -> dict[str, dict]:
+    if path is None or not path.exists():
+        return {}
+    done = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by an interrupted run: that record runs again
+            done[record["key"]] = record
+    return done
+
+
+def run_bench(
+    runner: Runner,
+    prompts: list[Prompt],
+    methods: list[Method],
+    temperatures: list[float] = (0.0,),
+    out: Path | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> tuple[list[dict], int]:
+    """Run every method on every prompt (interleaved). Returns (all records, number of new runs)."""
+    done = load_done(out)
+    prompts = [p for p in prompts if len(p.turns) >= runner.turn]
+    todo = [(p, t, m) for p in prompts for t in temperatures for m in methods
+            if runner.key(p, m, t) not in done]
+    if todo:  # one short warm-up per method: first calls pay one-off allocation costs
+        ids = runner.prompt_ids(todo[0][0])
+        for m in methods:
+            runner.run(m, ids, todo[0][1], max_new_tokens=4)
+    records = dict(done)
+    for i, (prompt, temperature, method) in enumerate(todo):
+        if progress:
+            progress(i, len(todo), f"{prompt.question_id} {method.spec} t={temperature}")
+        ids = runner.prompt_ids(prompt)
+        record = runner.run(method, ids, temperature, runner.max_new_tokens)
+        record.update(key=runner.key(prompt, method, temperature), model=runner.target.name,
+                      assistant=runner.assistant.name if runner.assistant else None,
+                      question_id=prompt.question_id, category=prompt.category, method=method.spec,
+                      temperature=temperature, max_new_tokens=runner.max_new_tokens, prompt_tokens=len(ids),
+                      new_tokens=len(record["tokens"]))
+        records[record["key"]] = record
+        if out is not None:
+            with out.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    if progress:
+        progress(len(todo), len(todo), "done")
+    wanted = {runner.key(p, m, t) for p in prompts for t in temperatures for m in methods}
+    return [r for k, r in records.items() if k in wanted], len(todo)
+
+
+def terminal_progress(i: int, total: int, label: str) -> None:
+    """A one-line progress bar on stderr, only when it is a terminal."""
+    if not sys.stderr.isatty() or total == 0:
+        return
+    width = 30
+    filled = int(width * i / total)
+    end = "\n" if i == total else ""
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {i}/{total} {label[:60]:<60}{end}")
+    sys.stderr.flush()
+
+
+@torch.inference_mode()
+def verification_cost_curve(model: Model, max_k: int = 16, context: int = 128, repeats: int = 3) -> list[float]:
+    """t(k)/t(1) for k = 1..max_k: the target's cost of one forward pass over k new tokens after `context`."""
+    from assistgen.cache import KVCache
+
+    vocab = min(model.vocab_size, len(model.tokenizer))
+    ids = torch.randint(3, vocab, (context + max_k,), generator=torch.Generator().manual_seed(0)).tolist()
+    cache = KVCache(model.hf)
+    cache.feed(ids[:context])
+    times = []
+    for k in range(1, max_k + 1):
+        best = float("inf")
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            cache.feed(ids[context : context + k], logits_to_keep=k)
+            best = min(best, time.perf_counter() - start)
+            cache.crop(context)
+        times.append(best)
+    return [t / times[0] for t in times]

@@ -1,0 +1,125 @@
+"""`assistgen bench`: prompt reader, figures, resume, and a tiny end-to-end run (table, JSON, PNG)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import tiny_llama
+
+from assistgen.bench.dataset import DatasetError, Prompt, read_prompts, select
+from assistgen.bench.report import aggregate, oracle_bound, theoretical_speedup
+from assistgen.bench.runner import Runner, parse_method, run_bench
+from assistgen.cli import main
+
+
+def write_jsonl(path, records):
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in records) + "\n")
+    return path
+
+
+TINY_SET = [
+    {"question_id": "s1", "category": "summarization", "turns": ["the cat sat on the mat. the cat sat on the mat."]},
+    {"question_id": "c1", "category": "copy", "turns": ["abc abc abc abc abc abc"], "reference": ["abc"]},
+    {"question_id": "m1", "category": "multi_turn", "turns": ["hello there", "and again"]},
+]
+
+
+def test_reader_accepts_the_format(tmp_path):
+    prompts = read_prompts(write_jsonl(tmp_path / "p.jsonl", TINY_SET))
+    assert [p.question_id for p in prompts] == ["s1", "c1", "m1"]
+    assert prompts[2].turns == ("hello there", "and again") and prompts[1].reference == ("abc",)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ('{"question_id": "x", "category": "a", "turns": ["ok"]', r"p.jsonl line 2: not valid JSON"),
+    ('{"question_id": "x", "category": "a"}', r"line 2: missing turns"),
+    ('{"question_id": "x", "category": "a", "turns": []}', r"line 2: 'turns' must be a non-empty list"),
+    ('{"question_id": "s1", "category": "a", "turns": ["x"]}', r"line 2: duplicate question_id 's1'"),
+    ('[1, 2]', r"line 2: expected a JSON object"),
+])
+def test_reader_names_the_bad_line(tmp_path, bad, message):
+    path = write_jsonl(tmp_path / "p.jsonl", [TINY_SET[0], bad])
+    with pytest.raises(DatasetError, match=message):
+        read_prompts(path)
+
+
+def test_select_filters_and_draws_a_reproducible_subset():
+    prompts = [Prompt(f"q{i}", "a" if i % 2 else "b", ("t",)) for i in range(20)]
+    assert {p.category for p in select(prompts, ["a"])} == {"a"}
+    first, again = select(prompts, n=5, seed=3), select(prompts, n=5, seed=3)
+    assert first == again and len(first) == 5 and first != select(prompts, n=5, seed=4)
+    with pytest.raises(DatasetError, match="Unknown categories"):
+        select(prompts, ["zzz"])
+
+
+def test_the_shipped_suite_reads_and_has_every_category():
+    from assistgen.bench.dataset import default_suite
+
+    prompts = read_prompts(default_suite())
+    counts = {}
+    for p in prompts:
+        counts[p.category] = counts.get(p.category, 0) + 1
+    for category in ("summarization", "retrieval_qa", "translation", "code", "writing", "math", "multi_turn", "copy"):
+        assert counts.get(category, 0) >= 8, category
+
+
+def test_theoretical_speedup_formula():
+    # no acceptance: only the cost of drafting remains
+    assert theoretical_speedup(0.0, 4, 0.25) == pytest.approx(1 / 2)
+    # geometric series: expected tokens per step 1 + a + ... + a^k
+    a, k, c = 0.7, 5, 0.1
+    assert theoretical_speedup(a, k, c) == pytest.approx(sum(a**i for i in range(k + 1)) / (k * c + 1))
+    assert theoretical_speedup(1.0, 3, 0.0) == 4.0
+    assert theoretical_speedup(0.5, 0, 0.3) == 1.0
+    assert oracle_bound(3, [1.0, 1.1, 1.2, 1.6]) == pytest.approx(4 / 1.6)
+
+
+def test_method_parsing():
+    assert parse_method("lookup@constant:4").schedule == "constant:4"
+    assert parse_method("hf-assistant").engine == "hf"
+    for bad in ("nope", "hf-lookup@constant:3", "plain@heuristic", "lookup@weird"):
+        with pytest.raises(ValueError):
+            parse_method(bad)
+
+
+def test_resume_skips_what_is_done(tmp_path):
+    prompts = read_prompts(write_jsonl(tmp_path / "p.jsonl", TINY_SET))
+    runner = Runner(tiny_llama(), max_new_tokens=6)
+    methods = [parse_method(m) for m in ("plain", "lookup", "hf-plain")]
+    out = tmp_path / "results.jsonl"
+    records, ran = run_bench(runner, prompts, methods, out=out)
+    assert ran == 9 and len(records) == 9 and len(out.read_text().splitlines()) == 9
+    records, ran = run_bench(runner, prompts, methods, out=out)
+    assert ran == 0 and len(records) == 9
+    # an interrupted run: the last record is missing and the one before is cut short
+    lines = out.read_text().splitlines()
+    out.write_text("\n".join(lines[:7] + [lines[7][:20]]) + "\n")
+    records, ran = run_bench(runner, prompts, methods, out=out)
+    assert ran == 2 and len(records) == 9
+    # greedy exactness is measured against plain decoding
+    rows = aggregate(records)
+    overall = {r["method"]: r for r in rows if r["category"] == "overall"}
+    assert overall["lookup"]["identical_share"] == 1.0 and overall["hf-plain"]["identical_share"] == 1.0
+    assert overall["plain"]["speedup_vs_plain"] == 1.0 and "speedup_vs_hf" in overall["plain"]
+    assert "speedup_vs_hf" not in overall["lookup"]  # hf-lookup did not run
+
+
+def test_tiny_end_to_end_cli_writes_table_json_and_png(tmp_path, capsys):
+    model = tiny_llama()
+    model.hf.save_pretrained(tmp_path / "tiny")
+    model.tokenizer.save_pretrained(tmp_path / "tiny")
+    data = write_jsonl(tmp_path / "p.jsonl", TINY_SET)
+    png = tmp_path / "speedups.png"
+    argv = ["bench", "--model", str(tmp_path / "tiny"), "--dataset", str(data), "--max-new-tokens", "8",
+            "--temperatures", "0,1.0", "--out", str(tmp_path / "r.jsonl"), "--plot", str(png)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "vs plain" in out[0] and any("copy" in line and "lookup" in line for line in out)
+    assert any(line.startswith("copy (oracle) lookup: bound") for line in out)
+    summary = json.loads(out[-1])
+    assert summary["benchmark"] == "assistgen-bench" and len(summary["cost_curve"]) == 16
+    assert {r["method"] for r in summary["rows"]} == {"plain", "lookup", "hf-plain", "hf-lookup"}
+    assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+    assert main(argv[:-2] + ["--categories", "nope"]) == 2
+    assert "Unknown categories" in capsys.readouterr().err
