@@ -134,23 +134,14 @@ def plot(rows: list[dict], path: str, cost_curve: list[float] | None = None) -> 
     overall = [r for r in rows if r["category"] == OVERALL and "speedup_vs_plain" in r and r["method"] != "plain"]
     lookaheads = [(int(m.group(1)), r) for r in overall if (m := re.search(r"@constant:(\d+)$", r["method"]))]
     if len(temperatures) > 1:
-        for m in methods:
-            pts = sorted((r["temperature"], r["speedup_vs_plain"]) for r in overall if r["method"] == m)
-            ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
-        ax2.set_xlabel("temperature")
-        ax2.set_ylabel("speed-up vs plain (overall)")
-        ax2.set_title("speed-up vs temperature")
-        ax2.axhline(1.0, color="black", linewidth=0.8)
-        ax2.legend(fontsize=8)
+        series = {m: sorted((r["temperature"], r["speedup_vs_plain"]) for r in overall if r["method"] == m)
+                  for m in methods}
+        _lines(ax2, series, "temperature", "speed-up vs temperature")
     elif lookaheads:
-        for base in sorted({r["method"].partition("@")[0] for _, r in lookaheads}):
-            pts = sorted((k, r["speedup_vs_plain"]) for k, r in lookaheads if r["method"].startswith(base + "@"))
-            ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=base)
-        ax2.set_xlabel("lookahead k")
-        ax2.set_ylabel("speed-up vs plain (overall)")
-        ax2.set_title("speed-up vs lookahead")
-        ax2.axhline(1.0, color="black", linewidth=0.8)
-        ax2.legend(fontsize=8)
+        bases = sorted({r["method"].partition("@")[0] for _, r in lookaheads})
+        series = {b: sorted((k, r["speedup_vs_plain"]) for k, r in lookaheads if r["method"].startswith(b + "@"))
+                  for b in bases}
+        _lines(ax2, series, "lookahead k", "speed-up vs lookahead")
     elif cost_curve:
         ax2.plot(range(1, len(cost_curve) + 1), cost_curve, marker="o")
         ax2.set_xlabel("new tokens k in one target forward pass")
@@ -159,3 +150,13 @@ def plot(rows: list[dict], path: str, cost_curve: list[float] | None = None) -> 
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _lines(ax, series: dict[str, list[tuple[float, float]]], xlabel: str, title: str) -> None:
+    for label, points in series.items():
+        ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("speed-up vs plain (overall)")
+    ax.set_title(title)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.legend(fontsize=8)
