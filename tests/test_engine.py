@@ -82,6 +82,8 @@ def test_stop_string_is_not_emitted_and_stops_generation():
     assert out.finish_reason == "stop"
     assert out.text == free_text[: free_text.index(stop)]
     assert stop not in out.text
+    # a single stop string may be given as a plain string
+    assert generate(target, ids, max_new_tokens=40, eos_token_ids=(), stop=stop).text == out.text
     # streamed text never shows the stop string either
     streamed = "".join(c.text for c in stream(target, ids, max_new_tokens=40, eos_token_ids=(), stop=[stop]))
     assert streamed == out.text

@@ -97,6 +97,8 @@ def stream(
     seed, stop, eos_token_ids.
     """
     try:
+        if isinstance(settings.get("stop"), str):
+            settings["stop"] = (settings["stop"],)  # one stop string, not its characters
         config = GenerationConfig(**{k: (tuple(v) if k == "stop" else v) for k, v in settings.items()})
     except TypeError as e:
         allowed = ", ".join(GenerationConfig.__dataclass_fields__)
