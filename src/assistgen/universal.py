@@ -182,15 +182,13 @@ class UniversalDrafter:
         self.bridge = TextBridge(target.tokenizer, assistant.tokenizer, look_behind)
         self.context_length = assistant.context_length
         self.target_vocab = target.vocab_size
-        self.assistant_vocab = assistant.vocab_size
         self._intersection: VocabIntersection | None = None
-        self._target_tokenizer, self._assistant_tokenizer = target.tokenizer, assistant.tokenizer
         self.mass_sum, self.mass_steps = 0.0, 0
 
     @property
     def intersection(self) -> VocabIntersection:
         if self._intersection is None:
-            self._intersection = VocabIntersection.build(self._target_tokenizer, self._assistant_tokenizer)
+            self._intersection = VocabIntersection.build(self.bridge.target, self.bridge.assistant)
         return self._intersection
 
     def propose(self, ids: list[int], k: int, sampler: Sampler, min_confidence: float = 0.0) -> Draft:
