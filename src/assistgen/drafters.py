@@ -32,6 +32,7 @@ class Draft:
     tokens: list[int] = field(default_factory=list)  # [n] proposed continuation, n <= k
     probs: torch.Tensor | None = None  # [n, vocab] q for each token, or None
     forward_passes: int = 0  # drafter model forward passes spent on this proposal
+    source: str = ""  # what produced it (e.g. "lookup:3", "assistant"): acceptance is tracked per source
 
 
 class Drafter(Protocol):
