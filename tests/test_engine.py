@@ -8,8 +8,9 @@ import pytest
 import torch
 from conftest import TOKENIZER, encode, hf_greedy, tiny_gemma3, tiny_gpt2, tiny_llama
 
-from assistgen import Constant, Heuristic, confidence, generate, stream
+from assistgen import Constant, Draft, Heuristic, confidence, generate, stream
 from assistgen.cache import KVCache
+from assistgen.schedules import Step
 from assistgen.text import TextStream
 
 
@@ -115,11 +116,15 @@ def test_heuristic_schedule_sequence():
     for drafted_all in [True, True, False, False, False, False, False, False, False, True]:
         k = h.next_k()
         seq.append(k)
-        h.update(k, k if drafted_all else 0)
+        h.update(outcome(k, k if drafted_all else 0))
     assert seq == [5, 7, 9, 8, 7, 6, 5, 4, 3, 2]
     for _ in range(10):
-        h.update(h.next_k(), 0)
+        h.update(outcome(h.next_k(), 0))
     assert h.next_k() == 1  # never below 1
+
+
+def outcome(verified: int, accepted: int) -> Step:
+    return Step(Draft(list(range(verified))), "assistant", verified, accepted, token=0)
 
 
 def test_confidence_schedule_stops_the_assistant_early():

@@ -47,9 +47,9 @@ def test_chat_without_a_template(target):
         generate(target, "hello", chat=True)
 
 
-def test_assistant_and_lookup_together(target):
-    with pytest.raises(ConfigError, match="either an assistant model or prompt lookup"):
-        generate(target, "hello", assistant=target, lookup=True)
+def test_assistant_and_early_exit_together(target):
+    with pytest.raises(ConfigError, match="either an assistant model or early exit"):
+        generate(target, "hello", assistant=target, early_exit=1)
 
 
 def test_same_tokenizer_drafter_refuses_a_different_tokenizer(target):

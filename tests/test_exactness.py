@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import encode, hf_greedy, naive_greedy, tiny_gemma3, tiny_gpt2, tiny_llama
 
-from assistgen import Constant, Heuristic, generate
+from assistgen import Adaptive, Constant, Heuristic, generate
 from assistgen.drafters import PromptLookupDrafter
 
 PROMPTS = [
@@ -13,7 +13,9 @@ PROMPTS = [
     "Once upon a time, in a land far away, there lived",
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return",
 ]
-SCHEDULES = {"k1": Constant(1), "k4": Constant(4), "heuristic": Heuristic()}
+# The adaptive policy with cheap made-up costs, so that it drafts, trims, switches off and probes.
+ADAPTIVE = Adaptive(costs=[1.0 + 0.05 * k for k in range(17)], drafter_cost_prior=0.05)
+SCHEDULES = {"k1": Constant(1), "k4": Constant(4), "heuristic": Heuristic(), "adaptive": ADAPTIVE}
 ARCHS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
 N = 40
 
@@ -87,6 +89,6 @@ def test_real_smollm2_with_a_shallower_copy_as_assistant(smollm2):
     )
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     n = 48
-    out = generate(smollm2, ids, assistant=assistant, max_new_tokens=n)
+    out = generate(smollm2, ids, assistant=assistant, max_new_tokens=n, schedule=Heuristic(max_k=6))
     assert out.token_ids == hf_greedy(smollm2, ids, n, stop_at_eos=True)
     assert 0 < out.stats.acceptance_rate < 1

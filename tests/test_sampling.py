@@ -14,7 +14,7 @@ from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWa
 
 import assistgen.engine
 import assistgen.sampling
-from assistgen import Constant, generate
+from assistgen import Adaptive, Constant, generate
 
 PROMPT = SMALL_TOKENIZER("abcab")["input_ids"]
 SAMPLES = 3000
@@ -84,6 +84,17 @@ def test_speculative_sampling_is_lossless(models, setting, drafter):
     counts = sample_pairs(target, SAMPLES, schedule=Constant(2), **kwargs, **SETTINGS[setting])
     p = chi2_pvalue(counts, exact_two_token_distribution(target, **SETTINGS[setting]))
     assert p > 0.001, f"assisted samples do not follow the target distribution (p={p:.2e})"
+
+
+@pytest.mark.parametrize("drafter", ["assistant", "lookup"])
+def test_adaptive_policy_sampling_is_lossless(models, drafter):
+    """The cost-aware policy (cheap made-up costs: it drafts, trims and checks unverified tokens) stays lossless."""
+    target, assistant = models
+    kwargs = {"assistant": assistant} if drafter == "assistant" else {"lookup": True}
+    schedule = Adaptive(costs=[1.0 + 0.05 * k for k in range(17)], drafter_cost_prior=0.05)
+    counts = sample_pairs(target, SAMPLES, schedule=schedule, temperature=1.0, **kwargs)
+    p = chi2_pvalue(counts, exact_two_token_distribution(target, temperature=1.0))
+    assert p > 0.001, f"adaptive samples do not follow the target distribution (p={p:.2e})"
 
 
 def test_direct_sampling_matches_too(models):

@@ -136,7 +136,7 @@ def test_universal_greedy_matches_transformers(mixed_pair, case):
 def test_universal_greedy_with_a_chat_template():
     target, assistant = tiny_model(byte_bpe(), seed=0), tiny_model(sentencepiece_bpe(), seed=1)
     out = generate(target, "Perché la città è così bella? 😀", assistant=assistant, chat=True, max_new_tokens=24,
-                   eos_token_ids=())
+                   eos_token_ids=(), schedule=Constant(3))
     ids = out.prompt_ids
     assert target.tokenizer.convert_tokens_to_ids("<|im_start|>") in ids
     assert out.token_ids == hf_greedy(target, ids, 24)
@@ -184,7 +184,8 @@ def test_universal_sampling_is_lossless(small_mixed, settings):
 
 def test_universal_sampling_reports_intersection_and_mass(small_mixed):
     target, assistant = small_mixed
-    out = generate(target, "abcab", assistant=assistant, max_new_tokens=20, temperature=1.0, seed=0, eos_token_ids=())
+    out = generate(target, "abcab", assistant=assistant, max_new_tokens=20, temperature=1.0, seed=0, eos_token_ids=(),
+                   schedule=Constant(2))
     assert out.stats.mode == "universal"
     assert out.stats.notes["vocab_intersection"] == 7
     assert 0.0 < out.stats.notes["target_mass_in_intersection"] <= 1.0

@@ -4,6 +4,7 @@ from assistgen.api import Generation, generate, stream
 from assistgen.config import ConfigError, GenerationConfig
 from assistgen.drafters import (
     AssistantDrafter,
+    CompositeDrafter,
     Draft,
     Drafter,
     NoDrafter,
@@ -11,12 +12,13 @@ from assistgen.drafters import (
     TokenizerMismatchError,
 )
 from assistgen.models import Model, ModelLoadError, load_model
-from assistgen.schedules import Constant, Heuristic, confidence
+from assistgen.schedules import Adaptive, Constant, Heuristic, confidence
 from assistgen.stats import Stats
 from assistgen.universal import UniversalDrafter
 
 __all__ = [
-    "AssistantDrafter", "ConfigError", "Constant", "Draft", "Drafter", "Generation", "GenerationConfig",
+    "Adaptive", "AssistantDrafter", "CompositeDrafter",
+    "ConfigError", "Constant", "Draft", "Drafter", "Generation", "GenerationConfig",
     "Heuristic", "Model", "ModelLoadError", "NoDrafter", "PromptLookupDrafter", "Stats",
     "TokenizerMismatchError", "UniversalDrafter", "confidence", "generate", "load_model", "stream",
 ]

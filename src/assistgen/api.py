@@ -12,11 +12,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from assistgen.config import ConfigError, GenerationConfig
-from assistgen.drafters import AssistantDrafter, Drafter, NoDrafter, PromptLookupDrafter, same_tokenizer
+from assistgen.drafters import (
+    AssistantDrafter,
+    CompositeDrafter,
+    Drafter,
+    NoDrafter,
+    PromptLookupDrafter,
+    same_tokenizer,
+)
 from assistgen.engine import Chunk
 from assistgen.engine import stream as run_loop
 from assistgen.models import Model, load_model
-from assistgen.schedules import Heuristic
+from assistgen.schedules import Adaptive
 from assistgen.stats import Stats
 from assistgen.universal import UniversalDrafter
 
@@ -59,13 +66,38 @@ def encode_prompt(model: Model, prompt: str | list[int], chat: bool = False) -> 
     return list(tok(prompt)["input_ids"])
 
 
-def make_drafter(target: Model, assistant: Model | str | Drafter | None, lookup: bool) -> Drafter:
-    if assistant is not None and lookup:
-        raise ConfigError("Choose either an assistant model or prompt lookup, not both.")
+def make_drafter(
+    target: Model,
+    assistant: Model | str | Drafter | None = None,
+    lookup: bool = False,
+    early_exit: bool | int = False,
+    ngram_cache=False,
+) -> Drafter:
+    """The drafter for these options; several sources compose, cheapest first (lookup, n-gram cache, a model)."""
+    if assistant is not None and early_exit:
+        raise ConfigError("Choose either an assistant model or early exit (self-drafting), not both.")
+    parts: list = []
     if lookup:
-        return PromptLookupDrafter()
-    if assistant is None:
+        parts.append(PromptLookupDrafter())
+    if ngram_cache:
+        from assistgen.ngram import NGramCache, NGramCacheDrafter, shared_cache
+
+        parts.append(NGramCacheDrafter(ngram_cache if isinstance(ngram_cache, NGramCache) else shared_cache()))
+    if early_exit:
+        from assistgen.costs import verification_costs
+        from assistgen.early_exit import EarlyExitDrafter
+
+        layers = None if early_exit is True else int(early_exit)
+        costs = verification_costs(target) if layers is None else None
+        parts.append(EarlyExitDrafter(target, layers=layers, verify_cost=costs))
+    elif assistant is not None:
+        parts.append(model_drafter(target, assistant))
+    if not parts:
         return NoDrafter()
+    return parts[0] if len(parts) == 1 else CompositeDrafter(parts)
+
+
+def model_drafter(target: Model, assistant: Model | str | Drafter) -> Drafter:
     if hasattr(assistant, "propose") and hasattr(assistant, "observe"):
         return assistant
     assistant = as_model(assistant)
@@ -74,12 +106,9 @@ def make_drafter(target: Model, assistant: Model | str | Drafter | None, lookup:
     return UniversalDrafter(assistant, target)  # different tokenizers: translate through text
 
 
-DEFAULT_MAX_K = 6  # on 2 CPU cores a verification of more than ~7 rows costs almost linearly more
-
-
-def default_schedule(drafter: Drafter):
-    """The reference heuristic (start 5, +2 / -1), capped at DEFAULT_MAX_K draft tokens."""
-    return Heuristic(max_k=DEFAULT_MAX_K)
+def default_schedule(drafter: Drafter | None = None):
+    """The cost-aware policy: k (0 included) chosen before every step from measured costs and acceptance."""
+    return Adaptive()
 
 
 def stream(
@@ -89,12 +118,18 @@ def stream(
     lookup: bool = False,
     schedule=None,
     chat: bool = False,
+    early_exit: bool | int = False,
+    ngram_cache=False,
     **settings,
 ) -> Iterator[Chunk]:
     """Stream `Chunk`s (tokens and text per verification step); the last one carries the stats.
 
-    `settings` are the fields of `GenerationConfig`: max_new_tokens, temperature, top_k, top_p,
-    seed, stop, eos_token_ids.
+    Drafting sources, cheapest first when several are given: `lookup` (prompt lookup),
+    `ngram_cache` (True: the process-wide cross-request n-gram cache, or an `NGramCache`), then one
+    model: `assistant` (a model, name or drafter; another tokenizer switches to universal mode) or
+    `early_exit` (True, or a layer count: the target's own first layers draft). `schedule` defaults
+    to the cost-aware `Adaptive` policy. `settings` are the fields of `GenerationConfig`:
+    max_new_tokens, temperature, top_k, top_p, seed, stop, eos_token_ids.
     """
     try:
         if isinstance(settings.get("stop"), str):
@@ -106,7 +141,7 @@ def stream(
     config.validate()
     target = as_model(model)
     prompt_ids = encode_prompt(target, prompt, chat)
-    drafter = make_drafter(target, assistant, lookup)
+    drafter = make_drafter(target, assistant, lookup, early_exit, ngram_cache)
     schedule = schedule.fresh() if schedule is not None else default_schedule(drafter)
     yield from run_loop(target, prompt_ids, drafter, schedule, config)
 
@@ -118,6 +153,8 @@ def generate(
     lookup: bool = False,
     schedule=None,
     chat: bool = False,
+    early_exit: bool | int = False,
+    ngram_cache=False,
     **settings,
 ) -> Generation:
     """Generate a continuation of `prompt`; same arguments as `stream`."""
@@ -126,7 +163,7 @@ def generate(
     tokens: list[int] = []
     text: list[str] = []
     last = None
-    for chunk in stream(target, prompt_ids, assistant, lookup, schedule, **settings):
+    for chunk in stream(target, prompt_ids, assistant, lookup, schedule, False, early_exit, ngram_cache, **settings):
         tokens.extend(chunk.tokens)
         text.append(chunk.text)
         last = chunk

@@ -8,6 +8,8 @@ Contract: a drafter implements
     observe(num_accepted, target_probs) -> None
         told how many of the last proposal's tokens the target accepted (and, when sampling, the
         target's distributions p at the verified positions, [k+1, vocab]; None when greedy);
+    finish(ids) -> None
+        told the whole sequence when the generation ends (a cache that learns across requests records it);
     report() -> dict
         drafter-specific figures for the statistics;
 and a `context_length` (None when unbounded). Drafters never see the target's cache and never
@@ -43,6 +45,8 @@ class Drafter(Protocol):
 
     def observe(self, num_accepted: int, target_probs: torch.Tensor | None = None) -> None: ...
 
+    def finish(self, ids: list[int]) -> None: ...
+
     def report(self) -> dict: ...
 
 
@@ -56,6 +60,9 @@ class NoDrafter:
         return Draft()
 
     def observe(self, num_accepted: int, target_probs: torch.Tensor | None = None) -> None:
+        pass
+
+    def finish(self, ids: list[int]) -> None:
         pass
 
     def report(self) -> dict:
@@ -106,6 +113,9 @@ class AssistantDrafter:
 
     def observe(self, num_accepted: int, target_probs: torch.Tensor | None = None) -> None:
         pass  # the next propose() syncs the cache to whatever the target emitted
+
+    def finish(self, ids: list[int]) -> None:
+        pass
 
     def report(self) -> dict:
         return {}
@@ -159,19 +169,23 @@ class PromptLookupDrafter:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def propose(self, ids: list[int], k: int, sampler: Sampler, min_confidence: float = 0.0) -> Draft:
-        return Draft(tokens=lookup_continuation(ids, k, self.max_ngram, self.min_ngram))
+        tokens, n = lookup_continuation(ids, k, self.max_ngram, self.min_ngram)
+        return Draft(tokens=tokens, source=f"lookup:{n}")
 
     def observe(self, num_accepted: int, target_probs: torch.Tensor | None = None) -> None:
+        pass
+
+    def finish(self, ids: list[int]) -> None:
         pass
 
     def report(self) -> dict:
         return {}
 
 
-def lookup_continuation(ids: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """Up to k tokens that followed the most recent earlier occurrence of ids' last n-gram."""
+def lookup_continuation(ids: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int]:
+    """Up to k tokens that followed the most recent earlier occurrence of ids' last n-gram, and that n (0: none)."""
     if k <= 0:
-        return []
+        return [], 0
     seq = np.asarray(ids, dtype=np.int64)
     for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
         pattern = seq[-n:]
@@ -179,5 +193,44 @@ def lookup_continuation(ids: list[int], k: int, max_ngram: int, min_ngram: int) 
         hits = np.flatnonzero((windows == pattern).all(axis=1))
         if len(hits):
             start = int(hits[-1]) + n
-            return seq[start : start + k].tolist()
-    return []
+            return seq[start : start + k].tolist(), n
+    return [], 0
+
+
+class CompositeDrafter:
+    """Several drafters tried in order, cheapest first (e.g. prompt lookup, the n-gram cache, a model).
+
+    The generation loop asks each part in turn (with the lookahead the schedule picks for that part)
+    and verifies the first non-empty draft, so a model drafter runs only when the cheap sources have
+    nothing. `propose` here does the same with one k for callers outside the loop.
+    """
+
+    def __init__(self, parts: list):
+        if not parts:
+            raise ValueError("CompositeDrafter needs at least one drafter")
+        self.parts = list(parts)
+        self.name = "+".join(p.name for p in self.parts)
+        limits = [p.context_length for p in self.parts if p.context_length]
+        self.context_length = min(limits) if limits else None
+
+    def propose(self, ids: list[int], k: int, sampler: Sampler, min_confidence: float = 0.0) -> Draft:
+        for part in self.parts:
+            draft = part.propose(ids, k, sampler, min_confidence)
+            if draft.tokens:
+                draft.source = draft.source or part.name
+                return draft
+        return Draft()
+
+    def observe(self, num_accepted: int, target_probs: torch.Tensor | None = None) -> None:
+        for part in self.parts:
+            part.observe(num_accepted, target_probs)
+
+    def finish(self, ids: list[int]) -> None:
+        for part in self.parts:
+            part.finish(ids)
+
+    def report(self) -> dict:
+        out: dict = {}
+        for part in self.parts:
+            out.update(part.report())
+        return out

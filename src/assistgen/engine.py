@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 from assistgen.cache import KVCache
 from assistgen.config import ConfigError, GenerationConfig
-from assistgen.drafters import Draft, Drafter
+from assistgen.drafters import Draft, Drafter, NoDrafter
 from assistgen.models import Model
 from assistgen.sampling import Sampler, verify_greedy, verify_speculative
+from assistgen.schedules import Step
 from assistgen.stats import Stats
 from assistgen.text import TextStream
 
@@ -43,18 +44,21 @@ def stream(
     stats = Stats(mode=drafter.name, prompt_tokens=len(prompt_ids))
     cache = KVCache(target.hf)
     ids = list(prompt_ids)
+    parts = drafter_parts(drafter)
     started = time.perf_counter()
 
+    schedule.prepare(target, parts)
     prefill(cache, ids, stats)
     finish = None
     while finish is None:
-        k = max(0, min(schedule.next_k(), context - len(ids) - 1))  # the sequence never outgrows the context
-        draft = propose(drafter, ids, k, sampler, schedule.min_confidence, stats)
-        accepted, token, p = verify(cache, ids, draft, sampler, stats)
+        room = context - len(ids) - 1  # the sequence never outgrows the context
+        draft, part, draft_s = propose(parts, ids, schedule, room, sampler, stats)
+        n = max(0, min(schedule.trim(draft, part), room))
+        accepted, token, p, verify_s = verify(cache, ids, draft, n, sampler, stats)
         cache.crop(len(ids) + accepted)  # roll back the rejected draft positions
         drafter.observe(accepted, p)
-        schedule.update(len(draft.tokens), accepted)
-        stats.record_step(len(draft.tokens), accepted)
+        schedule.update(Step(draft, part, n, accepted, token, draft_s, verify_s))
+        stats.record_step(n, accepted)
 
         new = draft.tokens[:accepted] + [token]
         new, finish = apply_stops(new, stats.new_tokens, config, eos, text)
@@ -65,8 +69,17 @@ def stream(
         stats.total_s = time.perf_counter() - started
         if finish:
             stats.finish_reason = finish
+            drafter.finish(ids)
             stats.notes.update(drafter.report())
+            stats.notes.update(schedule.report())
         yield Chunk(new, text.delta(final=finish is not None), finish, stats)
+
+
+def drafter_parts(drafter: Drafter) -> list:
+    """The drafters to try in order, cheapest first (a `CompositeDrafter` has several; plain decoding none)."""
+    if isinstance(drafter, NoDrafter):
+        return []
+    return list(getattr(drafter, "parts", [drafter]))
 
 
 def prefill(cache: KVCache, ids: list[int], stats: Stats) -> None:
@@ -78,33 +91,46 @@ def prefill(cache: KVCache, ids: list[int], stats: Stats) -> None:
     stats.prefill_s += time.perf_counter() - t
 
 
-def propose(drafter: Drafter, ids: list[int], k: int, sampler: Sampler, min_confidence: float, stats: Stats) -> Draft:
-    if k == 0:
-        return Draft()
-    t = time.perf_counter()
-    draft = drafter.propose(ids, k, sampler, min_confidence)
-    if len(draft.tokens) > k:
-        draft = Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k], draft.forward_passes)
-    stats.draft_forward_passes += draft.forward_passes
-    stats.draft_s += time.perf_counter() - t
-    return draft
+def propose(parts: list, ids: list[int], schedule, room: int, sampler: Sampler, stats: Stats):
+    """Ask each drafter in turn for as many tokens as the schedule wants; the first non-empty draft wins.
+
+    Returns (draft, name of the drafter that made it or "", that drafter's time).
+    """
+    for part in parts:
+        k = min(schedule.next_k(part), room)
+        if k <= 0:
+            continue
+        t = time.perf_counter()
+        draft = part.propose(ids, k, sampler, schedule.min_confidence)
+        elapsed = time.perf_counter() - t
+        stats.draft_forward_passes += draft.forward_passes
+        stats.draft_s += elapsed
+        if draft.tokens:
+            if len(draft.tokens) > k:
+                draft.tokens, draft.probs = draft.tokens[:k], None if draft.probs is None else draft.probs[:k]
+            draft.source = draft.source or part.name
+            return draft, part.name, elapsed
+    return Draft(), "", 0.0
 
 
-def verify(cache: KVCache, ids: list[int], draft: Draft, sampler: Sampler, stats: Stats):
-    """One target forward over [last token, d_1..d_k].
+def verify(cache: KVCache, ids: list[int], draft: Draft, n: int, sampler: Sampler, stats: Stats):
+    """One target forward over [last token, d_1..d_n] (the first n draft tokens).
 
-    Returns (accepted draft tokens, next token, p [k+1, vocab] when sampling else None).
+    Returns (accepted draft tokens, next token, p [n+1, vocab] when sampling else None, seconds).
     """
     t = time.perf_counter()
-    logits = cache.feed([ids[-1]] + draft.tokens, logits_to_keep=len(draft.tokens) + 1)  # [k+1, vocab]
+    tokens = draft.tokens[:n]
+    logits = cache.feed([ids[-1]] + tokens, logits_to_keep=n + 1)  # [n+1, vocab]
     p = None
     if sampler.greedy:
-        accepted, token = verify_greedy(logits, draft.tokens)
+        accepted, token = verify_greedy(logits, tokens)
     else:
         p = sampler.probs(logits)
-        accepted, token = verify_speculative(p, draft.probs, draft.tokens, sampler)
-    stats.verify_s += time.perf_counter() - t
-    return accepted, token, p
+        q = None if draft.probs is None else draft.probs[:n]
+        accepted, token = verify_speculative(p, q, tokens, sampler)
+    elapsed = time.perf_counter() - t
+    stats.verify_s += elapsed
+    return accepted, token, p, elapsed
 
 
 def apply_stops(

@@ -71,6 +71,7 @@ class Model:
     hf: torch.nn.Module
     tokenizer: object
     name: str
+    cache_key: str | None = None  # stable identity (alias, path, hub id) for on-disk measurements; None: in-memory
 
     @property
     def config(self):
@@ -136,6 +137,7 @@ def load_model(
     else:
         model = _load_hub(spec, dtype)
     model.hf.to(device)
+    model.cache_key = f"{spec}-{str(dtype).removeprefix('torch.')}-{device}"
     if fast_linear:
         from assistgen.transforms import small_rows_linear
 

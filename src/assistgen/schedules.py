@@ -1,19 +1,41 @@
-"""Lookahead schedules: how many tokens to ask the drafter for before each verification.
+"""Lookahead schedules: how many tokens to draft, and how many of them to verify, at each step.
 
-Contract: a schedule has `next_k() -> int` (asked before each step), `update(drafted, accepted)`
-(told the outcome after it) and `min_confidence` (a model drafter stops early when its top
-probability falls below it; 0 disables). Schedules are per generation: `fresh()` returns a new
-one with the same settings.
+Contract: a schedule is per generation (`fresh()` returns a new one with the same settings) and has
+    prepare(target, parts)      once, before the first step (parts: the drafters, cheapest first);
+    next_k(part) -> int         how many tokens to ask `part` for (0: skip it this step);
+    trim(draft, part) -> int    how many of the proposed tokens to verify (<= len(draft.tokens));
+    update(step)                the outcome of the step (`Step`);
+    report() -> dict            figures for the statistics;
+and `min_confidence` (a model drafter stops early when its top probability falls below it; 0
+disables). `Constant` and `Heuristic` are the fixed rules of the reference design. `Adaptive` is
+the cost-aware default: it picks the k (0 included) that maximises expected tokens per unit of
+time, E(k) / (k*c + v[k]), from online acceptance estimates, measured drafter costs c and the
+target's verification costs v (`costs.py`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+
+from assistgen.drafters import Draft
+
+
+@dataclass
+class Step:
+    """What happened in one verification step."""
+
+    draft: Draft  # everything the drafter proposed (may be longer than what was verified)
+    part: str  # name of the drafter that proposed it ("" when none did)
+    verified: int  # draft tokens sent to the target
+    accepted: int  # of those, accepted
+    token: int  # the target's own token after the accepted ones
+    draft_s: float = 0.0  # time the proposing drafter took
+    verify_s: float = 0.0  # time of the target's forward pass
 
 
 @dataclass
 class Constant:
-    """Always ask for k tokens."""
+    """Always ask for k tokens and verify all of them."""
 
     k: int = 5
     min_confidence: float = 0.0
@@ -22,18 +44,27 @@ class Constant:
         if self.k < 0:
             raise ValueError(f"lookahead k must be >= 0, got {self.k}")
 
-    def next_k(self) -> int:
+    def prepare(self, target, parts) -> None:
+        pass
+
+    def next_k(self, part=None) -> int:
         return self.k
 
-    def update(self, drafted: int, accepted: int) -> None:
+    def trim(self, draft: Draft, part: str = "") -> int:
+        return len(draft.tokens)
+
+    def update(self, step: Step) -> None:
         pass
+
+    def report(self) -> dict:
+        return {}
 
     def fresh(self):
         return replace(self)
 
 
 @dataclass
-class Heuristic:
+class Heuristic(Constant):
     """The original assisted-generation rule: start at 5; +2 when every draft token was accepted, -1 otherwise."""
 
     start: int = 5
@@ -41,24 +72,17 @@ class Heuristic:
     decrease: int = 1
     min_k: int = 1
     max_k: int = 32
-    min_confidence: float = 0.0
 
     def __post_init__(self):
         self.k = self.start
 
-    def next_k(self) -> int:
-        return self.k
-
-    def update(self, drafted: int, accepted: int) -> None:
-        if drafted == 0:
+    def update(self, step: Step) -> None:
+        if step.verified == 0:
             return  # the drafter had nothing to offer; that says nothing about k
-        if accepted == drafted:
+        if step.accepted == step.verified:
             self.k = min(self.max_k, self.k + self.increase)
         else:
             self.k = max(self.min_k, self.k - self.decrease)
-
-    def fresh(self):
-        return replace(self)
 
 
 def confidence(k: int = 10, threshold: float = 0.4) -> Constant:
@@ -68,10 +92,210 @@ def confidence(k: int = 10, threshold: float = 0.4) -> Constant:
     return Constant(k=k, min_confidence=threshold)
 
 
+# --- the cost-aware policy -------------------------------------------------------------------------
+
+
+def expected_tokens(rates: list[float], k: int) -> float:
+    """E(k): tokens one step emits when it verifies k draft tokens.
+
+    rates[i] = P(draft token i+1 accepted | tokens 1..i accepted); the step always adds the target's
+    own token, so E(k) = 1 + sum_{i=1..k} prod_{j<=i} rates[j-1].
+    """
+    total, chain = 1.0, 1.0
+    for i in range(k):
+        chain *= rates[min(i, len(rates) - 1)]
+        total += chain
+    return total
+
+
+def expected_gain(rates: list[float], k: int, costs: list[float], c: float) -> float:
+    """Expected tokens per unit of time relative to plain decoding: E(k) / (k*c + v[k])."""
+    return expected_tokens(rates, k) / (k * c + costs[k])
+
+
+def best_lookahead(rates: list[float], costs: list[float], c: float, k_max: int) -> tuple[int, float]:
+    """The k in 0..k_max (and within the measured costs) with the highest expected gain; ties go to the smaller k."""
+    best, best_gain = 0, 1.0  # k = 0 is plain decoding: gain 1
+    for k in range(1, min(k_max, len(costs) - 1) + 1):
+        gain = expected_gain(rates, k, costs, c)
+        if gain > best_gain:
+            best, best_gain = k, gain
+    return best, best_gain
+
+
+@dataclass
+class Acceptance:
+    """Per-position acceptance estimated online with an exponential moving average."""
+
+    prior: float
+    weight: float
+    size: int
+    rates: list[float] = field(init=False)
+    seen: list[int] = field(init=False)
+
+    def __post_init__(self):
+        self.rates = [self.prior] * self.size
+        self.seen = [0] * self.size
+
+    def observe(self, position: int, accepted: bool) -> None:
+        if position >= self.size:
+            return
+        # Average the first few observations plainly, then forget old ones at `weight`.
+        w = max(self.weight, 1.0 / (self.seen[position] + 1))
+        self.rates[position] += w * (float(accepted) - self.rates[position])
+        self.seen[position] += 1
+
+    def record(self, verified: int, accepted: int) -> None:
+        for i in range(accepted):
+            self.observe(i, True)
+        if accepted < verified:
+            self.observe(accepted, False)
+
+    def estimate(self) -> list[float]:
+        """Rates with never-observed positions taken from the position before them."""
+        out = list(self.rates)
+        for i in range(1, len(out)):
+            if self.seen[i] == 0:
+                out[i] = out[i - 1]
+        return out
+
+
+@dataclass
+class Adaptive:
+    """Choose k (0 included) before every step to maximise expected tokens per unit of time.
+
+    Drafters cheaper than `free_cost` target steps per token (prompt lookup, the n-gram cache) are
+    asked for `max_k` tokens and the draft is trimmed to the best length for its source; their
+    unverified tokens are still checked against the token the target emits, so their estimate
+    keeps learning while speculation is off. Costlier drafters are asked for the best k directly;
+    while that is 0 they are probed with k = 1 now and then, spending at most `probe_share` of
+    the time, so drafting comes back when the text becomes predictable.
+    """
+
+    max_k: int = 16
+    weight: float = 0.2  # EMA weight of a new acceptance observation
+    prior: float = 0.5  # acceptance assumed before any observation
+    probe_share: float = 0.03  # at most this share of time probes a drafter that is switched off
+    free_cost: float = 0.02  # drafters cheaper than this per token are trimmed after proposing
+    min_confidence: float = 0.0
+    costs: list[float] | None = None  # v[k]; None: the target's measured verification costs
+    drafter_cost_prior: float | None = None  # c assumed for a model drafter before it is measured; None: params ratio
+
+    def __post_init__(self):
+        if self.max_k < 1:
+            raise ValueError(f"max_k must be >= 1, got {self.max_k}")
+        if not 0.0 < self.weight <= 1.0 or not 0.0 <= self.prior <= 1.0:
+            raise ValueError(f"need 0 < weight <= 1 and 0 <= prior <= 1, got {self.weight}, {self.prior}")
+        self.acceptance: dict[str, Acceptance] = {}
+        self.drafter_cost: dict[str, float] = {}  # c per proposed token, in target steps
+        self.unit_s: float | None = None  # the time of one plain step, estimated from every step
+        self.off_steps: dict[str, int] = {}
+        self.probes = 0
+        self.last_part = ""
+
+    def fresh(self):
+        return replace(self)
+
+    def prepare(self, target, parts) -> None:
+        if not parts:
+            return  # plain decoding: nothing to choose
+        if self.costs is None:
+            from assistgen.costs import verification_costs
+
+            self.costs = verification_costs(target)
+        for part in parts:
+            hint = cost_hint(part, target)
+            if hint is None:
+                hint = 0.0  # no model: free until measured otherwise
+            elif self.drafter_cost_prior is not None:
+                hint = self.drafter_cost_prior
+            self.drafter_cost.setdefault(part.name, hint)
+
+    def estimate(self, source: str) -> Acceptance:
+        if source not in self.acceptance:
+            self.acceptance[source] = Acceptance(self.prior, self.weight, self.max_k + 1)
+        return self.acceptance[source]
+
+    def _k_max(self) -> int:
+        return min(self.max_k, len(self.costs) - 1)
+
+    def next_k(self, part) -> int:
+        name = part.name
+        c = self.drafter_cost.get(name, 0.0)
+        if c < self.free_cost:
+            return self._k_max()
+        k, _ = best_lookahead(self.estimate(name).estimate(), self.costs, c, self._k_max())
+        if k > 0:
+            self.off_steps[name] = 0
+            return k
+        self.off_steps[name] = self.off_steps.get(name, 0) + 1
+        probe_cost = c + self.costs[1] - 1.0  # in plain steps
+        if self.off_steps[name] * self.probe_share >= probe_cost:
+            self.off_steps[name] = 0
+            self.probes += 1
+            return 1
+        return 0
+
+    def trim(self, draft: Draft, part: str = "") -> int:
+        if not draft.tokens or self.drafter_cost.get(part, 0.0) >= self.free_cost:
+            return len(draft.tokens)  # a costly drafter was already asked for the best k
+        rates = self.estimate(draft.source or part).estimate()
+        k, _ = best_lookahead(rates, self.costs, 0.0, len(draft.tokens))
+        return k
+
+    def update(self, step: Step) -> None:
+        if self.costs is None:
+            return
+        if step.verify_s > 0:
+            unit = step.verify_s / self.costs[min(step.verified, len(self.costs) - 1)]
+            self.unit_s = unit if self.unit_s is None else self.unit_s + 0.2 * (unit - self.unit_s)
+        if not step.part or not step.draft.tokens:
+            self.last_part = step.part
+            return
+        acceptance = self.estimate(step.draft.source or step.part)
+        acceptance.record(step.verified, step.accepted)
+        unverified = step.draft.tokens[step.verified :]
+        if step.accepted == step.verified and unverified and step.draft.probs is None:
+            # The target's own next token tells, for free, whether the next draft token would have been accepted
+            # (greedy: exactly; sampling: with probability p(token), the one-hot acceptance probability).
+            acceptance.observe(step.verified, step.token == unverified[0])
+        if step.part == self.last_part and self.unit_s:  # a drafter that drafted last step too: no catch-up cost
+            c = step.draft_s / len(step.draft.tokens) / self.unit_s
+            old = self.drafter_cost.get(step.part, c)
+            self.drafter_cost[step.part] = old + 0.2 * (c - old)
+        self.last_part = step.part
+
+    def report(self) -> dict:
+        out = {"schedule": "adaptive", "adaptive_probes": self.probes}
+        out["drafter_cost_per_token"] = {k: round(v, 3) for k, v in self.drafter_cost.items()}
+        out["acceptance_estimate"] = {
+            src: [round(r, 2) for r in a.estimate()[:4]] for src, a in sorted(self.acceptance.items())
+        }
+        return out
+
+
+def cost_hint(part, target) -> float | None:
+    """A drafter's cost per token before it is measured: its model's share of the target's parameters.
+
+    None for a drafter without a model (prompt lookup, the n-gram cache).
+    """
+    model = getattr(part, "model", None)
+    if model is None:
+        return None
+    try:
+        mine = sum(p.numel() for p in model.hf.parameters())
+        theirs = sum(p.numel() for p in target.hf.parameters())
+    except AttributeError:
+        return 1.0  # a model we cannot size: assume it costs as much as the target
+    return mine / max(1, theirs)
+
+
 def parse_schedule(text: str):
-    """'constant:K', 'heuristic', 'confidence:K:T' (CLI form)."""
+    """'adaptive', 'constant:K', 'heuristic', 'confidence:K:T' (CLI form)."""
     name, *args = text.split(":")
     try:
+        if name == "adaptive":
+            return Adaptive(max_k=int(args[0])) if args else Adaptive()
         if name == "constant":
             return Constant(k=int(args[0]) if args else 5)
         if name == "heuristic":
@@ -80,4 +304,4 @@ def parse_schedule(text: str):
             return confidence(int(args[0]) if args else 10, float(args[1]) if len(args) > 1 else 0.4)
     except (ValueError, IndexError) as e:
         raise ValueError(f"bad schedule {text!r}: {e}") from e
-    raise ValueError(f"unknown schedule {text!r}; use constant:K, heuristic or confidence:K:T")
+    raise ValueError(f"unknown schedule {text!r}; use adaptive[:MAX_K], constant:K, heuristic or confidence:K:T")

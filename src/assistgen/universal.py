@@ -241,6 +241,9 @@ class UniversalDrafter:
             self.mass_sum += float(target_probs[:, self._intersection.target_ids].sum(-1).mean())
             self.mass_steps += 1
 
+    def finish(self, ids: list[int]) -> None:
+        pass
+
     def report(self) -> dict:
         out = {"tokenizers": "different (universal mode)"}
         if self._intersection is not None:

@@ -1,0 +1,104 @@
+"""The cost model: what one verification step costs relative to plain decoding, per model and machine.
+
+Contract: `verification_costs(model)` returns v with v[k] = t(k+1) / t(1), where t(n) is the time of one
+target forward pass over n new tokens after a short context. A step that verifies k draft tokens
+feeds k+1 tokens, so it costs v[k] plain steps (v[0] = 1). It is measured once per model, machine
+and software stack (about 2-10 s) and cached as JSON under `$ASSISTGEN_CACHE/costs/`. The file is
+keyed by a fingerprint (model, torch and transformers versions, CPU, threads, whether the small-row
+linear transform is on), so a change of any of them measures again. `refresh=True` or deleting
+the file re-measures. Models built in memory (no `cache_key`) are measured once per process.
+How long a drafter takes per proposed token is measured online by the adaptive schedule, not here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import time
+
+import torch
+
+from assistgen.models import Model, cache_root
+
+MAX_K = 16  # costs are measured for k = 0..MAX_K draft tokens
+
+
+@torch.inference_mode()
+def measure_verification_costs(model: Model, max_k: int = MAX_K, context: int = 128, repeats: int = 3) -> list[float]:
+    """v[k] = t(k+1)/t(1) for k = 0..max_k: one forward over k+1 new tokens after `context` tokens."""
+    from assistgen.cache import KVCache
+
+    vocab = min(model.vocab_size, len(model.tokenizer))
+    limit = model.context_length or context + max_k + 1
+    context = max(1, min(context, limit - max_k - 2))
+    ids = torch.randint(3, vocab, (context + max_k + 1,), generator=torch.Generator().manual_seed(0)).tolist()
+    cache = KVCache(model.hf)
+    cache.feed(ids[:context])
+    times = []
+    for k in range(max_k + 1):
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first run warms up
+            start = time.perf_counter()
+            cache.feed(ids[context : context + k + 1], logits_to_keep=k + 1)
+            best = min(best, time.perf_counter() - start)
+            cache.crop(context)
+        times.append(best)
+    return [t / times[0] for t in times]
+
+
+def fingerprint(model: Model) -> str:
+    from transformers import __version__ as transformers_version
+
+    from assistgen.transforms import is_applied
+
+    parts = [
+        model.cache_key or model.name,
+        str(sum(p.numel() for p in model.hf.parameters())),
+        torch.__version__,
+        transformers_version,
+        platform.machine(),
+        _cpu_name(),
+        str(torch.get_num_threads()),
+        f"small-rows={is_applied(model.hf)}",
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def costs_path(model: Model):
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in (model.cache_key or model.name))
+    return cache_root() / "costs" / f"{safe[:80]}-{fingerprint(model)}.json"
+
+
+def verification_costs(model: Model, refresh: bool = False) -> list[float]:
+    """The model's v[0..MAX_K], from memory, from disk, or measured now (and saved)."""
+    key = fingerprint(model)
+    memo = getattr(model.hf, "_assistgen_costs", {})
+    if key in memo and not refresh:
+        return memo[key]
+    path = costs_path(model) if model.cache_key else None
+    costs = None
+    if path is not None and path.exists() and not refresh:
+        try:
+            costs = json.loads(path.read_text())["verification_costs"]
+        except (OSError, ValueError, KeyError):
+            costs = None  # a damaged file is measured again
+    if costs is None:
+        costs = measure_verification_costs(model)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            record = {"model": model.name, "verification_costs": costs, "measured": time.strftime("%Y-%m-%d %H:%M")}
+            path.write_text(json.dumps(record))
+    model.hf._assistgen_costs = {**memo, key: costs}
+    return costs

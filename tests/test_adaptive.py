@@ -1,0 +1,134 @@
+"""The cost-aware policy: the expected-gain formula, the choice of k (0 included), switching back on, costs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import encode, hf_greedy, tiny_llama
+
+import assistgen.costs
+from assistgen import Adaptive, Draft, generate
+from assistgen.costs import verification_costs
+from assistgen.schedules import Step, best_lookahead, expected_gain, expected_tokens
+
+FLAT = [1.0] * 17  # verification as cheap as one token (the GPU picture)
+LINEAR = [1.0 + k for k in range(17)]  # every verified token costs a full step (no batching gain)
+
+
+class Cheap:
+    """A drafter part with no model: cost 0, so the policy asks for max_k and trims."""
+
+    name = "lookup"
+
+
+class Costly:
+    """A drafter part with a model: cost from the prior, so the policy picks k before drafting."""
+
+    name = "assistant"
+    model = object()
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.8, 0.99])
+@pytest.mark.parametrize("k", [0, 1, 4, 9])
+def test_expected_tokens_is_the_geometric_series_for_a_constant_rate(alpha, k):
+    assert expected_tokens([alpha] * 16, k) == pytest.approx((1 - alpha ** (k + 1)) / (1 - alpha))
+
+
+def test_expected_tokens_chains_per_position_rates():
+    # P(1st) = .5, P(2nd | 1st) = 1, P(3rd | 2nd) = .2: E(3) = 1 + .5 + .5 + .1
+    assert expected_tokens([0.5, 1.0, 0.2], 3) == pytest.approx(2.1)
+
+
+def test_expected_gain_divides_by_draft_and_verification_cost():
+    assert expected_gain([0.5] * 8, 2, [1.0, 1.2, 1.5], c=0.25) == pytest.approx(1.75 / (0.5 + 1.5))
+
+
+def test_useless_drafts_choose_k0_and_perfect_ones_the_largest_k():
+    assert best_lookahead([0.0] * 16, FLAT, c=0.0, k_max=16) == (0, 1.0)
+    assert best_lookahead([1.0] * 16, FLAT, c=0.0, k_max=16)[0] == 16
+    assert best_lookahead([1.0] * 16, FLAT, c=0.0, k_max=5)[0] == 5
+    # a full step per verified token: even perfect drafts cannot pay
+    assert best_lookahead([1.0] * 16, LINEAR, c=0.0, k_max=16)[0] == 0
+    # a costly drafter needs a high acceptance rate
+    assert best_lookahead([0.5] * 16, FLAT, c=0.6, k_max=16)[0] == 0
+    assert best_lookahead([0.95] * 16, FLAT, c=0.6, k_max=16)[0] > 0
+
+
+def test_the_choice_follows_the_shape_of_the_cost_curve():
+    costs = [1.0, 1.3, 1.6, 1.9, 1.95, 3.0, 3.5, 4.0]  # 4 draft tokens are almost as cheap as 3
+    assert best_lookahead([1.0] * 8, costs, c=0.0, k_max=7)[0] == 4
+
+
+def step(draft: list[int], part: str, verified: int, accepted: int, token: int, probs=None) -> Step:
+    return Step(Draft(draft, probs, source=part), part, verified, accepted, token, draft_s=1e-4, verify_s=0.05)
+
+
+def test_a_cheap_drafter_is_trimmed_to_zero_when_wrong_and_comes_back_when_right():
+    policy = Adaptive(costs=[1.0 + 0.2 * k for k in range(17)])
+    policy.prepare(None, [Cheap()])
+    assert policy.next_k(Cheap()) == 16  # free: propose as much as possible, trim afterwards
+    for _ in range(20):  # every draft wrong at its first token
+        draft = [7] * 16
+        n = policy.trim(Draft(draft, source="lookup"), "lookup")
+        policy.update(step(draft, "lookup", n, 0, token=3))
+    assert policy.trim(Draft([7] * 16, source="lookup"), "lookup") == 0
+    # Now the text is predictable. With k = 0 nothing is verified, but the emitted token is compared with the
+    # unverified draft for free, so the estimate recovers and speculation resumes.
+    for _ in range(10):
+        draft = [5] * 16
+        n = policy.trim(Draft(draft, source="lookup"), "lookup")
+        policy.update(step(draft, "lookup", n, n, token=5))
+    assert policy.trim(Draft([5] * 16, source="lookup"), "lookup") >= 4
+
+
+def test_a_costly_drafter_is_switched_off_probed_and_switched_back_on():
+    policy = Adaptive(costs=[1.0 + 0.1 * k for k in range(17)], drafter_cost_prior=0.3)
+    part = Costly()
+    policy.prepare(None, [part])
+    ks = []
+    for _ in range(60):  # drafts are always rejected
+        k = policy.next_k(part)
+        ks.append(k)
+        policy.update(step([9] * k, "assistant", k, 0, token=1) if k else step([], "", 0, 0, token=1))
+    assert ks[0] > 0 and ks[-10:].count(0) >= 8  # tried, then off
+    assert 0 < policy.probes and ks[10:].count(1) == policy.probes  # probed now and then with k = 1
+    # The assistant becomes right: the probes succeed, and drafting comes back with a longer lookahead.
+    ks = []
+    for _ in range(150):
+        k = policy.next_k(part)
+        ks.append(k)
+        policy.update(step([4] * k, "assistant", k, k, token=4) if k else step([], "", 0, 0, token=4))
+    assert max(ks[-10:]) >= 3 and 0 not in ks[-10:]
+
+
+def test_adaptive_plain_text_drafts_little_and_stays_exact():
+    """A random-weight target and prompt lookup on text with nothing to copy: exact output, few wasted drafts."""
+    target = tiny_llama(seed=0)
+    ids = encode("Once upon a time, in a land far away, there lived")
+    schedule = Adaptive(costs=LINEAR)  # no batching gain at all: a draft can never pay
+    out = generate(target, ids, lookup=True, max_new_tokens=40, eos_token_ids=(), schedule=schedule)
+    assert out.token_ids == hf_greedy(target, ids, 40)
+    assert out.stats.drafted_tokens == 0 and out.stats.steps == 40
+
+
+def test_verification_costs_are_measured_once_and_cached_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASSISTGEN_CACHE", str(tmp_path))
+    target = tiny_llama(seed=0)
+    target.cache_key = "tiny-test-model"
+    costs = verification_costs(target)
+    assert len(costs) == assistgen.costs.MAX_K + 1 and costs[0] == 1.0 and all(c > 0 for c in costs)
+    files = list((tmp_path / "costs").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["verification_costs"] == costs
+
+    fresh = tiny_llama(seed=0)  # a new process: no memo, but the file
+    fresh.cache_key = "tiny-test-model"
+
+    def fail(*args, **kwargs):
+        raise AssertionError("measured again although a cached measurement exists")
+
+    monkeypatch.setattr(assistgen.costs, "measure_verification_costs", fail)
+    assert verification_costs(fresh) == costs
+    before = assistgen.costs.costs_path(fresh)
+    monkeypatch.setattr(assistgen.costs.torch, "get_num_threads", lambda: 99)
+    assert assistgen.costs.costs_path(fresh) != before  # another machine set-up measures again
