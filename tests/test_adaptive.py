@@ -91,7 +91,7 @@ def test_a_costly_drafter_is_switched_off_probed_and_switched_back_on():
         k = policy.next_k(part)
         ks.append(k)
         policy.update(step([9] * k, "assistant", k, 0, token=1) if k else step([], "", 0, 0, token=1))
-    assert ks[0] > 0 and ks[-10:].count(0) >= 8  # tried, then off
+    assert ks[0] > 0 and ks[-20:].count(0) >= 15  # tried, then off
     assert 0 < policy.probes and ks[10:].count(1) == policy.probes  # probed now and then with k = 1
     # The assistant becomes right: the probes succeed, and drafting comes back with a longer lookahead.
     ks = []
@@ -127,7 +127,7 @@ def test_verification_costs_are_measured_once_and_cached_on_disk(tmp_path, monke
     def fail(*args, **kwargs):
         raise AssertionError("measured again although a cached measurement exists")
 
-    monkeypatch.setattr(assistgen.costs, "measure_verification_costs", fail)
+    monkeypatch.setattr(assistgen.costs, "measure_calibration", fail)
     assert verification_costs(fresh) == costs
     before = assistgen.costs.costs_path(fresh)
     monkeypatch.setattr(assistgen.costs.torch, "get_num_threads", lambda: 99)

@@ -78,9 +78,22 @@ def test_theoretical_speedup_formula():
 def test_method_parsing():
     assert parse_method("lookup@constant:4").schedule == "constant:4"
     assert parse_method("hf-assistant").engine == "hf"
-    for bad in ("nope", "hf-lookup@constant:3", "plain@heuristic", "lookup@weird"):
+    assert parse_method("lookup+ngram+assistant@adaptive").sources == ["lookup", "ngram", "assistant"]
+    assert parse_method("early-exit").sources == ["early-exit"] and parse_method("plain").sources == []
+    for bad in ("nope", "hf-lookup@constant:3", "plain@heuristic", "lookup@weird", "lookup+lookup",
+                "assistant+early-exit", "hf-lookup+assistant", "plain+lookup"):
         with pytest.raises(ValueError):
             parse_method(bad)
+
+
+def test_ngram_method_learns_from_earlier_prompts_only(tmp_path):
+    prompts = read_prompts(write_jsonl(tmp_path / "p.jsonl", TINY_SET))
+    runner = Runner(tiny_llama(), max_new_tokens=6)
+    seen = []
+    runner.learn = lambda ids, tokens: seen.append(ids + tokens)
+    run_bench(runner, prompts, [parse_method(m) for m in ("plain", "ngram")])
+    taught = [runner.prompt_ids(p) for p in prompts[:-1]]  # the last prompt is never taught before it runs
+    assert [s[: len(t)] for s, t in zip(seen, taught, strict=True)] == taught
 
 
 def test_resume_skips_what_is_done(tmp_path):
@@ -118,7 +131,7 @@ def test_tiny_end_to_end_cli_writes_table_json_and_png(tmp_path, capsys):
     assert "vs plain" in out[0] and any("copy" in line and "lookup" in line for line in out)
     assert any(line.startswith("copy (oracle) lookup: bound") for line in out)
     summary = json.loads(out[-1])
-    assert summary["benchmark"] == "assistgen-bench" and len(summary["cost_curve"]) == 16
+    assert summary["benchmark"] == "assistgen-bench" and len(summary["cost_curve"]) == 17
     assert {r["method"] for r in summary["rows"]} == {"plain", "lookup", "hf-plain", "hf-lookup"}
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
     assert main(argv[:-2] + ["--categories", "nope"]) == 2

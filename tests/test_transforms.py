@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import encode, hf_greedy, tiny_llama
 
@@ -9,18 +10,30 @@ from assistgen import generate
 from assistgen.transforms import is_applied, remove_small_rows_linear, small_rows_linear
 
 
-def test_same_product_for_every_row_count():
+@pytest.mark.parametrize("routes", ["mkl", "onednn", ["mkl", "mkl", "mkl"] + ["onednn"] * 30])
+def test_same_product_for_every_row_count(routes):
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 300)
-    for rows in (1, 2, 3, 8, 32, 33, 100):
+    for rows in (1, 2, 3, 5, 8, 32, 33, 100):
         x = torch.randn(2, rows, 64)[:1]  # [1, rows, in]
         expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
-        small_rows_linear(layer, mode="on")
+        small_rows_linear(layer, mode="on", routes=routes)
         got = layer(x)
         remove_small_rows_linear(layer)
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    assert not is_applied(layer)
+    assert not is_applied(layer) and "_assistgen_packed" not in layer.__dict__
+
+
+def test_a_non_contiguous_input_gives_the_same_product():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 96)
+    x = torch.randn(48, 4).T  # [4, in] laid out as [in, 4], like act(gate) * up
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    for routes in ("mkl", "onednn"):
+        small_rows_linear(layer, mode="on", routes=routes)
+        torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+        remove_small_rows_linear(layer)
 
 
 def test_transformed_tiny_model_still_decodes_like_transformers():

@@ -60,6 +60,11 @@ class EarlyExitDrafter:
         self.assistant = AssistantDrafter(self.model, target)
         self.context_length = self.assistant.context_length
 
+    @property
+    def acceptance_prior(self) -> float | None:
+        """The calibrated agreement: the adaptive policy's acceptance estimate before any draft."""
+        return self.agreement
+
     def propose(self, ids: list[int], k: int, sampler: Sampler, min_confidence: float = 0.0) -> Draft:
         draft = self.assistant.propose(ids, k, sampler, min_confidence)
         draft.source = "early-exit"

@@ -139,9 +139,11 @@ def load_model(
     model.hf.to(device)
     model.cache_key = f"{spec}-{str(dtype).removeprefix('torch.')}-{device}"
     if fast_linear:
+        from assistgen.costs import tune_routes
         from assistgen.transforms import small_rows_linear
 
-        small_rows_linear(model.hf, mode="auto" if fast_linear == "auto" else "on")
+        if small_rows_linear(model.hf, mode="auto" if fast_linear == "auto" else "on"):
+            tune_routes(model)  # the faster route per row count, measured once per machine (cached)
     return model
 
 

@@ -190,6 +190,8 @@ class Adaptive:
         self.drafter_cost: dict[str, float] = {}  # c per proposed token, in target steps
         self.unit_s: float | None = None  # the time of one plain step, estimated from every step
         self.off_steps: dict[str, int] = {}
+        self.probe_cost: dict[str, float] = {}  # measured cost of a probe, in plain steps (includes catching up)
+        self.probing = ""
         self.probes = 0
         self.last_part = ""
 
@@ -210,6 +212,9 @@ class Adaptive:
             elif self.drafter_cost_prior is not None:
                 hint = self.drafter_cost_prior
             self.drafter_cost.setdefault(part.name, hint)
+            prior = getattr(part, "acceptance_prior", None)  # e.g. early exit's calibrated agreement
+            if prior is not None and part.name not in self.acceptance:
+                self.acceptance[part.name] = Acceptance(float(prior), self.weight, self.max_k + 1)
 
     def estimate(self, source: str) -> Acceptance:
         if source not in self.acceptance:
@@ -229,10 +234,11 @@ class Adaptive:
             self.off_steps[name] = 0
             return k
         self.off_steps[name] = self.off_steps.get(name, 0) + 1
-        probe_cost = c + self.costs[1] - 1.0  # in plain steps
+        probe_cost = self.probe_cost.get(name, c + self.costs[1] - 1.0)  # in plain steps
         if self.off_steps[name] * self.probe_share >= probe_cost:
             self.off_steps[name] = 0
             self.probes += 1
+            self.probing = name
             return 1
         return 0
 
@@ -249,6 +255,10 @@ class Adaptive:
         if step.verify_s > 0:
             unit = step.verify_s / self.costs[min(step.verified, len(self.costs) - 1)]
             self.unit_s = unit if self.unit_s is None else self.unit_s + 0.2 * (unit - self.unit_s)
+        if self.probing and self.unit_s:
+            # What the probe really cost, catching up on the tokens the drafter missed included
+            self.probe_cost[self.probing] = step.draft_s / self.unit_s + self.costs[1] - 1.0
+            self.probing = ""
         if not step.part or not step.draft.tokens:
             self.last_part = step.part
             return

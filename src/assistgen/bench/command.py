@@ -20,7 +20,8 @@ from assistgen.models import load_model
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default="smollm2-135m", help="target: alias, hub id, folder or .gguf")
     p.add_argument("--assistant", "-a", help="assistant model (any tokenizer) for the assistant methods")
-    p.add_argument("--methods", help="comma-separated: plain, lookup, assistant[@schedule], hf-plain, hf-lookup, "
+    p.add_argument("--methods", help="comma-separated: plain; lookup, ngram, assistant, early-exit or several "
+                                     "joined by + (cheapest first), each optionally @schedule; hf-plain, hf-lookup, "
                                      "hf-assistant (default: plain, lookup and their transformers equivalents, "
                                      "plus assistant ones with --assistant)")
     p.add_argument("--dataset", help="JSONL prompt set (default: the shipped suite)")
@@ -47,7 +48,7 @@ def methods_from(args: argparse.Namespace) -> list:
         specs.insert(0, "plain")  # every speed-up is measured against it
     if args.lookaheads:
         ks = [int(k) for k in args.lookaheads.split(",")]
-        drafters = [s for s in specs if s in ("lookup", "assistant")]
+        drafters = [s for s in specs if s and not s.startswith("hf-") and s != "plain" and "@" not in s]
         specs += [f"{d}@constant:{k}" for d in drafters for k in ks]
     return [parse_method(s) for s in dict.fromkeys(specs)]
 
@@ -73,7 +74,7 @@ def run_command(args: argparse.Namespace) -> int:
     rows = aggregate(records, curve)
     print(format_table(rows))
     if curve:
-        print("target verification cost t(k)/t(1), k=1..16: " + " ".join(f"{x:.2f}" for x in curve))
+        print("verification cost t(n)/t(1), n = 1..17 tokens per forward: " + " ".join(f"{x:.2f}" for x in curve))
     if args.plot:
         plot(rows, args.plot, curve)
         print(f"plot written to {args.plot}")

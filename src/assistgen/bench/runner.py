@@ -1,12 +1,16 @@
 """Running benchmark methods interleaved per prompt, with resumable results.
 
-Contract: a method is `plain`, `lookup` or `assistant` (assistgen, optionally `@schedule`, e.g.
-`lookup@constant:4`) or `hf-plain`, `hf-lookup`, `hf-assistant` (transformers' `generate()` on the
+Contract: a method is `plain`, or drafting sources joined by `+` (tried in that order): `lookup`,
+`ngram` (the cross-request n-gram cache), `assistant`, `early-exit` (assistgen, optionally
+`@schedule`, e.g. `lookup@constant:4`, `lookup+assistant`; the default schedule is the adaptive
+policy), or `hf-plain`, `hf-lookup`, `hf-assistant` (transformers' `generate()` on the
 unmodified model: prompt_lookup_num_tokens=10, assistant_model=..., and universal assisted
 generation with tokenizer=/assistant_tokenizer= when the tokenizers differ). For each prompt and
 temperature every method runs once, one after the other (A B C, A B C, ...), so drift on a noisy
 machine hits all alike. Each run becomes one record (a dict) appended to the results file at once;
-a rerun with the same file skips the records already there.
+a rerun with the same file skips the records already there. The n-gram cache learns across prompts
+in the order they run, but never from an earlier run of the same prompt: each run drafts from a
+copy of what the previous prompts taught it.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from assistgen.models import Model
 from assistgen.schedules import parse_schedule
 from assistgen.transforms import is_applied, remove_small_rows_linear, small_rows_linear
 
-DRAFTERS = ("plain", "lookup", "assistant")
+SOURCES = ("lookup", "ngram", "assistant", "early-exit")
+HF_METHODS = ("plain", "lookup", "assistant")
 HF_LOOKUP_TOKENS = 10
 
 
@@ -35,26 +40,30 @@ HF_LOOKUP_TOKENS = 10
 class Method:
     spec: str
     engine: str  # "assistgen" or "hf"
-    drafter: str  # plain | lookup | assistant
+    drafter: str  # plain, or sources joined by "+": lookup, ngram, assistant, early-exit
     schedule: str | None = None
 
     @property
-    def equivalent(self) -> str:
-        """transformers' counterpart of an assistgen method."""
-        return f"hf-{self.drafter}"
+    def sources(self) -> list[str]:
+        return [] if self.drafter == "plain" else self.drafter.split("+")
 
     @property
     def needs_assistant(self) -> bool:
-        return self.drafter == "assistant"
+        return "assistant" in self.sources
 
 
 def parse_method(spec: str) -> Method:
     name, _, schedule = spec.strip().partition("@")
     engine = "hf" if name.startswith("hf-") else "assistgen"
     drafter = name[3:] if engine == "hf" else name
-    if drafter not in DRAFTERS:
-        raise ValueError(f"Unknown method {spec!r}: use plain, lookup, assistant (optionally @schedule) "
-                         "or hf-plain, hf-lookup, hf-assistant.")
+    sources = drafter.split("+")
+    known = HF_METHODS if engine == "hf" else ("plain",) if drafter == "plain" else SOURCES
+    repeated = len(set(sources)) < len(sources)
+    if any(s not in known for s in sources) or (engine == "hf" and len(sources) > 1) or repeated:
+        raise ValueError(f"Unknown method {spec!r}: use plain, or sources joined by '+' from "
+                         f"{', '.join(SOURCES)} (optionally @schedule), or hf-plain, hf-lookup, hf-assistant.")
+    if "assistant" in sources and "early-exit" in sources:
+        raise ValueError(f"{spec!r}: one model drafter at a time (assistant or early-exit).")
     if schedule:
         if engine == "hf":
             raise ValueError(f"{spec!r}: transformers' methods take no schedule.")
@@ -87,6 +96,15 @@ class Runner:
     turn: int = 1
     seed: int = 0
 
+    def __post_init__(self):
+        from assistgen.ngram import NGramCache
+
+        self.ngram_cache = NGramCache()  # what the prompts run so far taught the n-gram drafter
+
+    def learn(self, ids: list[int], tokens: list[int]) -> None:
+        """After every method ran on a prompt: the n-gram cache remembers it for the next prompts."""
+        self.ngram_cache.add(ids + tokens)
+
     def key(self, prompt: Prompt, method: Method, temperature: float) -> str:
         assistant = self.assistant.name if self.assistant else "-"
         return (f"{self.target.name}|{assistant}|{prompt.question_id}|{method.spec}|t={temperature}"
@@ -110,8 +128,10 @@ class Runner:
         return record
 
     def _run_ours(self, method, ids, temperature, max_new_tokens) -> dict:
-        kwargs = {"lookup": method.drafter == "lookup",
-                  "assistant": self.assistant if method.drafter == "assistant" else None}
+        kwargs = {"lookup": "lookup" in method.sources,
+                  "assistant": self.assistant if "assistant" in method.sources else None,
+                  "early_exit": "early-exit" in method.sources,
+                  "ngram_cache": self.ngram_cache.copy() if "ngram" in method.sources else False}
         if method.schedule:
             kwargs["schedule"] = parse_schedule(method.schedule)
         start = time.perf_counter()
@@ -193,9 +213,12 @@ def run_bench(
         for m in methods:
             runner.run(m, ids, todo[0][1], max_new_tokens=4)
     records = dict(done)
+    teach = NGramTeacher(runner, prompts, records) if any("ngram" in m.sources for m in methods) else None
     for i, (prompt, temperature, method) in enumerate(todo):
         if progress:
             progress(i, len(todo), f"{prompt.question_id} {method.spec} t={temperature}")
+        if teach:
+            teach.before(prompt)
         ids = runner.prompt_ids(prompt)
         record = runner.run(method, ids, temperature, runner.max_new_tokens)
         record.update(key=runner.key(prompt, method, temperature), model=runner.target.name,
@@ -213,6 +236,21 @@ def run_bench(
     return [r for k, r in records.items() if k in wanted], len(todo)
 
 
+class NGramTeacher:
+    """Feeds the runner's n-gram cache the greedy plain output of every prompt before the current one."""
+
+    def __init__(self, runner: Runner, prompts: list[Prompt], records: dict[str, dict]):
+        self.runner, self.prompts, self.records, self.taught = runner, prompts, records, set()
+
+    def before(self, prompt: Prompt) -> None:
+        plain = parse_method("plain")
+        for earlier in self.prompts[: self.prompts.index(prompt)]:
+            record = self.records.get(self.runner.key(earlier, plain, 0.0))
+            if earlier.question_id not in self.taught and record is not None:
+                self.runner.learn(self.runner.prompt_ids(earlier), record["tokens"])
+                self.taught.add(earlier.question_id)
+
+
 def terminal_progress(i: int, total: int, label: str) -> None:
     """A one-line progress bar on stderr, only when it is a terminal."""
     if not sys.stderr.isatty() or total == 0:
@@ -224,22 +262,8 @@ def terminal_progress(i: int, total: int, label: str) -> None:
     sys.stderr.flush()
 
 
-@torch.inference_mode()
-def verification_cost_curve(model: Model, max_k: int = 16, context: int = 128, repeats: int = 3) -> list[float]:
-    """t(k)/t(1) for k = 1..max_k: the target's cost of one forward pass over k new tokens after `context`."""
-    from assistgen.cache import KVCache
+def verification_cost_curve(model: Model) -> list[float]:
+    """t(n)/t(1) for n = 1..17 new tokens in one forward: the cost model the adaptive policy uses (cached)."""
+    from assistgen.costs import verification_costs
 
-    vocab = min(model.vocab_size, len(model.tokenizer))
-    ids = torch.randint(3, vocab, (context + max_k,), generator=torch.Generator().manual_seed(0)).tolist()
-    cache = KVCache(model.hf)
-    cache.feed(ids[:context])
-    times = []
-    for k in range(1, max_k + 1):
-        best = float("inf")
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            cache.feed(ids[context : context + k], logits_to_keep=k)
-            best = min(best, time.perf_counter() - start)
-            cache.crop(context)
-        times.append(best)
-    return [t / times[0] for t in times]
+    return verification_costs(model)
