@@ -43,3 +43,17 @@ def test_transformed_tiny_model_still_decodes_like_transformers():
     ids = encode("the cat sat on the mat. the cat")
     out = generate(target, ids, lookup=True, max_new_tokens=30, eos_token_ids=())
     assert out.token_ids == hf_greedy(target, ids, 30)
+
+
+def test_a_deep_copy_packs_its_own_weights():
+    import copy
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 64)
+    small_rows_linear(layer, mode="on", routes="onednn")
+    twin = copy.deepcopy(layer)
+    with torch.no_grad():
+        twin.weight.mul_(2)  # the copy's product must follow its own weights
+    x = torch.randn(4, 32)
+    torch.testing.assert_close(twin(x), torch.nn.functional.linear(x, twin.weight, twin.bias), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)

@@ -47,12 +47,25 @@ def _onednn_rows(packed: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(flat, packed, None, "none", [], "")
 
 
+class PackedWeight:
+    """Holds a layer's oneDNN-packed weight; a deep copy of the layer packs its own copy on first use."""
+
+    def __init__(self, tensor: torch.Tensor | None):
+        self.tensor = tensor
+
+    def __deepcopy__(self, memo):
+        return PackedWeight(None)
+
+
 def _small_rows_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     if 0 < rows <= self._assistgen_max_rows and x.dtype == self.weight.dtype:
         flat = x.reshape(rows, x.shape[-1])  # [rows, in]
-        if self._assistgen_routes[rows] == "onednn":
-            out = _onednn_rows(self._assistgen_packed, flat)  # [rows, out]
+        packed = self._assistgen_packed
+        if self._assistgen_routes[rows] == "onednn" and packed.tensor is None:
+            packed.tensor = pack(self.weight)
+        if self._assistgen_routes[rows] == "onednn" and packed.tensor is not None:
+            out = _onednn_rows(packed.tensor, flat)  # [rows, out]
         else:
             out = _mkl_rows(self.weight, flat)  # [rows, out]
         if self.bias is not None:
@@ -89,8 +102,7 @@ def small_rows_linear(
         packed = pack(m.weight) if "onednn" in table else None
         m._assistgen_max_rows = max_rows
         m._assistgen_routes = table if packed is not None else ["mkl"] * (max_rows + 1)
-        if packed is not None:
-            m._assistgen_packed = packed
+        m._assistgen_packed = PackedWeight(packed)
         m.forward = types.MethodType(_small_rows_forward, m)
     return True
 
