@@ -47,6 +47,11 @@ def test_chat_without_a_template(target):
         generate(target, "hello", chat=True)
 
 
+def test_early_exit_with_too_many_layers(target):
+    with pytest.raises(ConfigError, match="early exit.*layers"):
+        generate(target, "hello", early_exit=99)
+
+
 def test_assistant_and_early_exit_together(target):
     with pytest.raises(ConfigError, match="either an assistant model or early exit"):
         generate(target, "hello", assistant=target, early_exit=1)

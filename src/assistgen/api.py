@@ -89,7 +89,10 @@ def make_drafter(
 
         layers = None if early_exit is True else int(early_exit)
         costs = verification_costs(target) if layers is None else None
-        parts.append(EarlyExitDrafter(target, layers=layers, verify_cost=costs))
+        try:
+            parts.append(EarlyExitDrafter(target, layers=layers, verify_cost=costs))
+        except ValueError as e:
+            raise ConfigError(f"early exit: {e}") from e
     elif assistant is not None:
         parts.append(model_drafter(target, assistant))
     if not parts:

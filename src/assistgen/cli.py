@@ -23,11 +23,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text, streaming it, then print statistics")
     gen.add_argument("prompt", help="the prompt text ('-' reads it from standard input)")
     gen.add_argument("--model", "-m", default="smollm2-135m", help="alias, hub id, local folder or .gguf file")
+    gen.add_argument("--lookup", action="store_true", help="prompt-lookup drafting (no second model)")
+    gen.add_argument("--ngram-cache", action="store_true",
+                     help="draft from n-grams of earlier requests in this process, and of this one")
     drafter = gen.add_mutually_exclusive_group()
     drafter.add_argument("--assistant", "-a",
                          help="assistant model (any tokenizer: a different one switches to universal mode)")
-    drafter.add_argument("--lookup", action="store_true", help="prompt-lookup drafting (no second model)")
-    gen.add_argument("--schedule", type=parse_schedule, help="constant:K | heuristic | confidence:K:T")
+    drafter.add_argument("--early-exit", nargs="?", const=True, type=int, metavar="LAYERS",
+                         help="self-drafting with the target's first LAYERS layers (chosen by calibration if omitted)")
+    gen.add_argument("--schedule", type=parse_schedule,
+                     help="adaptive[:MAX_K] (default: cost-aware, k may be 0) | constant:K | heuristic | "
+                          "confidence:K:T")
     gen.add_argument("--max-new-tokens", type=int)
     gen.add_argument("--temperature", type=float, help="0 (default) is greedy")
     gen.add_argument("--top-k", type=int)
@@ -65,7 +71,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     assistant = load_model(args.assistant, fast_linear=fast) if args.assistant else None
     last = None
     for chunk in stream(target, prompt, assistant=assistant, lookup=args.lookup, schedule=args.schedule,
-                        chat=args.chat, **settings_from(args)):
+                        chat=args.chat, early_exit=args.early_exit or False, ngram_cache=args.ngram_cache,
+                        **settings_from(args)):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         last = chunk

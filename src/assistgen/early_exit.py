@@ -29,6 +29,7 @@ from transformers import DynamicCache
 from assistgen.drafters import AssistantDrafter, Draft
 from assistgen.models import Model
 from assistgen.sampling import Sampler
+from assistgen.schedules import expected_gain
 
 LAYER_LISTS = ("layers", "h")  # where a base model keeps its decoder layers (Llama-style, GPT-2)
 FINAL_NORMS = ("norm", "ln_f", "final_layernorm")
@@ -213,21 +214,11 @@ def layer_costs(target: Model) -> list[float]:
     return [(sum(per_layer[:n]) + head) / total for n in range(1, len(full))]
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens per verification step when each of k draft tokens is accepted with probability alpha."""
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
 def best_speedup(alpha: float, cost: float, verify_cost: list[float] | None = None) -> tuple[float, int]:
-    """(max over k of expected tokens / (k * cost + v(k)), that k); v(k) = verify_cost[k], else 1 + 0.1 k."""
-    ks = range(1, MAX_K + 1) if verify_cost is None else range(1, min(MAX_K, len(verify_cost) - 1) + 1)
-    best = (0.0, 0)
-    for k in ks:
-        v = verify_cost[k] if verify_cost is not None else 1.0 + 0.1 * k
-        best = max(best, (expected_tokens(alpha, k) / (k * cost + v), k), key=lambda b: b[0])
-    return best
+    """(max over k = 1..MAX_K of E(k) / (k * cost + v(k)), that k); v(k) = verify_cost[k], else 1 + 0.1 k."""
+    v = list(verify_cost) if verify_cost is not None else [1.0 + 0.1 * k for k in range(MAX_K + 1)]
+    ks = range(1, min(MAX_K, len(v) - 1) + 1)
+    return max(((expected_gain([alpha], k, v, cost), k) for k in ks), key=lambda b: b[0], default=(0.0, 0))
 
 
 def calibrate_exit_layer(
