@@ -10,7 +10,7 @@ from conftest import encode, hf_greedy, tiny_llama
 import assistgen.costs
 from assistgen import Adaptive, Draft, generate
 from assistgen.costs import verification_costs
-from assistgen.schedules import Step, best_lookahead, expected_gain, expected_tokens
+from assistgen.schedules import Acceptance, Step, best_lookahead, expected_gain, expected_tokens
 
 FLAT = [1.0] * 17  # verification as cheap as one token (the GPU picture)
 LINEAR = [1.0 + k for k in range(17)]  # every verified token costs a full step (no batching gain)
@@ -83,7 +83,7 @@ def test_a_cheap_drafter_is_trimmed_to_zero_when_wrong_and_comes_back_when_right
 
 
 def test_a_costly_drafter_is_switched_off_probed_and_switched_back_on():
-    policy = Adaptive(costs=[1.0 + 0.1 * k for k in range(17)], drafter_cost_prior=0.3)
+    policy = Adaptive(costs=[1.0 + 0.1 * k for k in range(17)], drafter_cost_prior=0.3, probe_share=0.05)
     part = Costly()
     policy.prepare(None, [part])
     ks = []
@@ -132,3 +132,16 @@ def test_verification_costs_are_measured_once_and_cached_on_disk(tmp_path, monke
     before = assistgen.costs.costs_path(fresh)
     monkeypatch.setattr(assistgen.costs.torch, "get_num_threads", lambda: 99)
     assert assistgen.costs.costs_path(fresh) != before  # another machine set-up measures again
+
+
+def test_a_probe_that_must_catch_up_on_a_long_prompt_waits_longer():
+    short, long = (Adaptive(costs=[1.0 + 0.1 * k for k in range(17)], drafter_cost_prior=0.5, probe_share=0.05)
+                   for _ in range(2))
+    short.prepare(None, [Costly()], prompt_length=10)
+    long.prepare(None, [Costly()], prompt_length=5000)  # a probe would first feed 5000 tokens to the assistant
+    for policy in (short, long):
+        policy.acceptance["assistant"] = Acceptance(0.0, 0.2, 17)  # known useless: switched off
+        for _ in range(300):
+            if policy.next_k(Costly()) == 0:
+                policy.update(step([], "", 0, 0, token=1))
+    assert short.probes >= 2 and long.probes == 0

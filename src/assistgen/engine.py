@@ -47,7 +47,7 @@ def stream(
     parts = drafter_parts(drafter)
     started = time.perf_counter()
 
-    schedule.prepare(target, parts)
+    schedule.prepare(target, parts, len(prompt_ids))
     prefill(cache, ids, stats)
     finish = None
     while finish is None:

@@ -1,7 +1,7 @@
 """Lookahead schedules: how many tokens to draft, and how many of them to verify, at each step.
 
 Contract: a schedule is per generation (`fresh()` returns a new one with the same settings) and has
-    prepare(target, parts)      once, before the first step (parts: the drafters, cheapest first);
+    prepare(target, parts, prompt_length)  once, before the first step (parts: the drafters, cheapest first);
     next_k(part) -> int         how many tokens to ask `part` for (0: skip it this step);
     trim(draft, part) -> int    how many of the proposed tokens to verify (<= len(draft.tokens));
     update(step)                the outcome of the step (`Step`);
@@ -44,7 +44,7 @@ class Constant:
         if self.k < 0:
             raise ValueError(f"lookahead k must be >= 0, got {self.k}")
 
-    def prepare(self, target, parts) -> None:
+    def prepare(self, target, parts, prompt_length: int = 0) -> None:
         pass
 
     def next_k(self, part=None) -> int:
@@ -175,7 +175,8 @@ class Adaptive:
     max_k: int = 16
     weight: float = 0.2  # EMA weight of a new acceptance observation
     prior: float = 0.5  # acceptance assumed before any observation
-    probe_share: float = 0.03  # at most this share of time probes a drafter that is switched off
+    probe_share: float = 0.01  # at most this share of time probes a drafter that is switched off
+    prefill_speedup: float = 16.0  # a drafter catches up on unseen tokens this many times faster than it drafts
     free_cost: float = 0.02  # drafters cheaper than this per token are trimmed after proposing
     min_confidence: float = 0.0
     costs: list[float] | None = None  # v[k]; None: the target's measured verification costs
@@ -190,15 +191,16 @@ class Adaptive:
         self.drafter_cost: dict[str, float] = {}  # c per proposed token, in target steps
         self.unit_s: float | None = None  # the time of one plain step, estimated from every step
         self.off_steps: dict[str, int] = {}
-        self.probe_cost: dict[str, float] = {}  # measured cost of a probe, in plain steps (includes catching up)
-        self.probing = ""
+        self.seen: dict[str, int] = {}  # sequence length when each drafter last drafted (it has seen that much)
+        self.length = 0  # current sequence length
         self.probes = 0
         self.last_part = ""
 
     def fresh(self):
         return replace(self)
 
-    def prepare(self, target, parts) -> None:
+    def prepare(self, target, parts, prompt_length: int = 0) -> None:
+        self.length = prompt_length
         if not parts:
             return  # plain decoding: nothing to choose
         if self.costs is None:
@@ -234,13 +236,16 @@ class Adaptive:
             self.off_steps[name] = 0
             return k
         self.off_steps[name] = self.off_steps.get(name, 0) + 1
-        probe_cost = self.probe_cost.get(name, c + self.costs[1] - 1.0)  # in plain steps
-        if self.off_steps[name] * self.probe_share >= probe_cost:
+        if self.off_steps[name] * self.probe_share >= self.probe_cost(name, c):
             self.off_steps[name] = 0
             self.probes += 1
-            self.probing = name
             return 1
         return 0
+
+    def probe_cost(self, name: str, c: float) -> float:
+        """A one-token probe, in plain steps: the draft, the extra verified row, and catching up on unseen tokens."""
+        unseen = self.length - self.seen.get(name, 0)
+        return c + self.costs[1] - 1.0 + c * unseen / self.prefill_speedup
 
     def trim(self, draft: Draft, part: str = "") -> int:
         if not draft.tokens or self.drafter_cost.get(part, 0.0) >= self.free_cost:
@@ -255,13 +260,11 @@ class Adaptive:
         if step.verify_s > 0:
             unit = step.verify_s / self.costs[min(step.verified, len(self.costs) - 1)]
             self.unit_s = unit if self.unit_s is None else self.unit_s + 0.2 * (unit - self.unit_s)
-        if self.probing and self.unit_s:
-            # What the probe really cost, catching up on the tokens the drafter missed included
-            self.probe_cost[self.probing] = step.draft_s / self.unit_s + self.costs[1] - 1.0
-            self.probing = ""
+        self.length += step.accepted + 1
         if not step.part or not step.draft.tokens:
             self.last_part = step.part
             return
+        self.seen[step.part] = self.length
         acceptance = self.estimate(step.draft.source or step.part)
         acceptance.record(step.verified, step.accepted)
         unverified = step.draft.tokens[step.verified :]
