@@ -14,7 +14,7 @@ from assistgen.demo import summary_prompt
 from assistgen.drafters import PromptLookupDrafter, check_same_tokenizer
 from assistgen.exactness import first_divergence
 from assistgen.models import Model
-from assistgen.schedules import Constant
+from assistgen.schedules import Constant, Heuristic
 from assistgen.transforms import is_applied
 
 pytestmark = pytest.mark.integration
@@ -113,6 +113,7 @@ UNIVERSAL_PROMPTS = {
 def test_universal_gemma3_drafted_by_smollm2_is_exact(gemma3, smollm2_fast, name):
     ids = encode_prompt(gemma3, UNIVERSAL_PROMPTS[name])
     plain = generate(gemma3, ids, max_new_tokens=32)
-    ours = generate(gemma3, ids, assistant=smollm2_fast, max_new_tokens=32)
+    # A fixed schedule: the default adaptive one rightly leaves this pair off (the drafts cost more than they save)
+    ours = generate(gemma3, ids, assistant=smollm2_fast, max_new_tokens=32, schedule=Heuristic(max_k=6))
     assert ours.stats.mode == "universal" and ours.stats.draft_forward_passes > 0
     assert_exact_or_near_tie(gemma3, ids, plain.token_ids, ours.token_ids)
