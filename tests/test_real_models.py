@@ -97,6 +97,11 @@ def test_cli_generate_and_models(capsys):
     assert "smollm2-135m" in capsys.readouterr().out
     assert main(["generate", "--model", "smollm2-135m", "--top-p", "2", "hi"]) == 2
     assert "top_p must be in (0, 1]" in capsys.readouterr().err
+    assert main(["generate", "--model", "smollm2-135m", "--early-exit", "99", "hi"]) == 2
+    assert "early exit" in capsys.readouterr().err
+    assert main(["calibrate", "--model", "smollm2-135m"]) == 0
+    out = capsys.readouterr().out
+    assert "k=0:1.00" in out and "linear route by rows: 1-" in out
 
 
 UNIVERSAL_PROMPTS = {

@@ -1,4 +1,4 @@
-"""Command line: `assistgen generate`, `assistgen models`, `assistgen demo`.
+"""Command line: `assistgen generate`, `assistgen models`, `assistgen calibrate`, `assistgen bench`, `assistgen demo`.
 
 Contract: parses arguments into the API's objects (no defaults re-declared here: unset options are
 simply not passed) and prints. Errors from bad input are printed as one line, exit status 2.
@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("models", help="list the embedded model aliases and whether each is converted")
 
+    cal = sub.add_parser("calibrate", help="show (or measure again) a model's verification costs and linear routes")
+    cal.add_argument("--model", "-m", default="smollm2-135m", help="alias, hub id, local folder or .gguf file")
+    cal.add_argument("--refresh", action="store_true", help="measure again instead of reading the cached figures")
+
     from assistgen.bench.command import add_arguments
 
     add_arguments(sub.add_parser("bench", help="latency tables on a prompt set, side by side with transformers"))
@@ -92,6 +96,34 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def runs(values: list, start: int) -> list[tuple[int, int, object]]:
+    """[(first index, last index, value)] for each run of equal values, indices counted from `start`."""
+    out: list[list] = []
+    for i, v in enumerate(values, start):
+        if out and out[-1][2] == v:
+            out[-1][1] = i
+        else:
+            out.append([i, i, v])
+    return [tuple(r) for r in out]
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from assistgen.costs import calibration, costs_path, tune_routes
+
+    model = load_model(args.model)
+    if args.refresh:
+        tune_routes(model, refresh=True)
+    record = calibration(model)
+    costs = record["verification_costs"]
+    print(f"{model.name}: cost of verifying k draft tokens relative to one plain step, v(k) = t(k+1)/t(1)")
+    print("  " + " ".join(f"k={k}:{v:.2f}" for k, v in enumerate(costs)))
+    if record.get("routes"):
+        groups = runs(record["routes"][1:], start=1)
+        print("linear route by rows: " + ", ".join(f"{a}-{b}: {route}" for a, b, route in groups))
+    print(f"measured {record.get('measured', '?')}; cached in {costs_path(model)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -99,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "models":
             return cmd_models(args)
+        if args.command == "calibrate":
+            return cmd_calibrate(args)
         if args.command == "bench":
             from assistgen.bench.command import run_command
 
