@@ -47,6 +47,18 @@ def test_chat_without_a_template(target):
         generate(target, "hello", chat=True)
 
 
+def test_a_custom_drafter_missing_part_of_the_interface(target):
+    class Old:
+        name, context_length = "old", None
+
+        def propose(self, ids, k, sampler, min_confidence=0.0): ...
+
+        def observe(self, num_accepted, target_probs=None): ...
+
+    with pytest.raises(ConfigError, match="lacks finish, report"):
+        generate(target, "hello", assistant=Old())
+
+
 def test_early_exit_with_too_many_layers(target):
     with pytest.raises(ConfigError, match="early exit.*layers"):
         generate(target, "hello", early_exit=99)

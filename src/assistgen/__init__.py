@@ -11,14 +11,16 @@ from assistgen.drafters import (
     PromptLookupDrafter,
     TokenizerMismatchError,
 )
+from assistgen.early_exit import EarlyExitDrafter
 from assistgen.models import Model, ModelLoadError, load_model
+from assistgen.ngram import NGramCache, NGramCacheDrafter
 from assistgen.schedules import Adaptive, Constant, Heuristic, confidence
 from assistgen.stats import Stats
 from assistgen.universal import UniversalDrafter
 
 __all__ = [
-    "Adaptive", "AssistantDrafter", "CompositeDrafter",
-    "ConfigError", "Constant", "Draft", "Drafter", "Generation", "GenerationConfig",
-    "Heuristic", "Model", "ModelLoadError", "NoDrafter", "PromptLookupDrafter", "Stats",
-    "TokenizerMismatchError", "UniversalDrafter", "confidence", "generate", "load_model", "stream",
+    "Adaptive", "AssistantDrafter", "CompositeDrafter", "ConfigError", "Constant", "Draft", "Drafter",
+    "EarlyExitDrafter", "Generation", "GenerationConfig", "Heuristic", "Model", "ModelLoadError", "NGramCache",
+    "NGramCacheDrafter", "NoDrafter", "PromptLookupDrafter", "Stats", "TokenizerMismatchError", "UniversalDrafter",
+    "confidence", "generate", "load_model", "stream",
 ]

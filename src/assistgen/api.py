@@ -102,6 +102,10 @@ def make_drafter(
 
 def model_drafter(target: Model, assistant: Model | str | Drafter) -> Drafter:
     if hasattr(assistant, "propose") and hasattr(assistant, "observe"):
+        missing = [m for m in ("finish", "report", "name", "context_length") if not hasattr(assistant, m)]
+        if missing:
+            raise ConfigError(f"The drafter {type(assistant).__name__} lacks {', '.join(missing)}: a drafter "
+                              "implements propose, observe, finish, report, name and context_length (drafters.py).")
         return assistant
     assistant = as_model(assistant)
     if same_tokenizer(target, assistant):
