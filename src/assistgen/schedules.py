@@ -200,6 +200,7 @@ class Adaptive:
         return replace(self)
 
     def prepare(self, target, parts, prompt_length: int = 0) -> None:
+        self.__post_init__()  # a new generation: forget the estimates of any earlier one
         self.length = prompt_length
         if not parts:
             return  # plain decoding: nothing to choose
