@@ -15,6 +15,7 @@ measured online by the adaptive schedule, not here.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import platform
@@ -25,12 +26,6 @@ import torch
 from assistgen.models import Model, cache_root
 
 MAX_K = 16  # costs are measured for k = 0..MAX_K draft tokens
-
-
-def measure_verification_costs(model: Model, max_k: int = MAX_K, context: int = 128, repeats: int = 3) -> list[float]:
-    """v[k] = t(k+1)/t(1) for k = 0..max_k: one forward over k+1 new tokens after `context` tokens."""
-    times = measure_step_times(model, max_k, context, repeats)
-    return [t / times[0] for t in times]
 
 
 @torch.inference_mode()
@@ -75,6 +70,7 @@ def fingerprint(model: Model) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
+@functools.cache
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -142,10 +138,9 @@ def measure_calibration(model: Model) -> dict:
             remove_small_rows_linear(model.hf)
             small_rows_linear(model.hf, mode="on", max_rows=DEFAULT_MAX_ROWS, routes=route)
             by_route[route] = measure_step_times(model, repeats=2)
-        remove_small_rows_linear(model.hf)
         chosen = [min(by_route, key=lambda r: by_route[r][n]) for n in range(MAX_K + 1)]  # n+1 rows
         routes = ["mkl"] + chosen + [chosen[-1]] * (DEFAULT_MAX_ROWS - MAX_K - 1)  # index = rows
-        small_rows_linear(model.hf, mode="on", max_rows=DEFAULT_MAX_ROWS, routes=routes)
+        small_rows_linear(model.hf, mode="on", max_rows=DEFAULT_MAX_ROWS, routes=routes)  # reuses the packed weights
         times = [by_route[r][n] for n, r in enumerate(chosen)]
         record["routes"] = routes
         record["step_seconds"] = {r: [round(t, 5) for t in ts] for r, ts in by_route.items()}

@@ -62,9 +62,10 @@ def _small_rows_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if 0 < rows <= self._assistgen_max_rows and x.dtype == self.weight.dtype:
         flat = x.reshape(rows, x.shape[-1])  # [rows, in]
         packed = self._assistgen_packed
-        if self._assistgen_routes[rows] == "onednn" and packed.tensor is None:
+        onednn = self._assistgen_routes[rows] == "onednn"
+        if onednn and packed.tensor is None:
             packed.tensor = pack(self.weight)
-        if self._assistgen_routes[rows] == "onednn" and packed.tensor is not None:
+        if onednn and packed.tensor is not None:
             out = _onednn_rows(packed.tensor, flat)  # [rows, out]
         else:
             out = _mkl_rows(self.weight, flat)  # [rows, out]
@@ -99,7 +100,10 @@ def small_rows_linear(
     if len(table) != max_rows + 1 or any(r not in ("mkl", "onednn") for r in table):
         raise ValueError(f"routes must be 'mkl', 'onednn' or a list of {max_rows + 1} of them")
     for m in linears:
-        packed = pack(m.weight) if "onednn" in table else None
+        packed = None
+        if "onednn" in table:  # a layer packed by an earlier call keeps its copy (remove_small_rows_linear drops it)
+            earlier = getattr(m, "_assistgen_packed", None)
+            packed = earlier.tensor if earlier is not None and earlier.tensor is not None else pack(m.weight)
         m._assistgen_max_rows = max_rows
         m._assistgen_routes = table if packed is not None else ["mkl"] * (max_rows + 1)
         m._assistgen_packed = PackedWeight(packed)

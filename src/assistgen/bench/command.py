@@ -13,7 +13,8 @@ from pathlib import Path
 
 from assistgen.bench.dataset import default_suite, read_prompts, select
 from assistgen.bench.report import aggregate, format_table, plot
-from assistgen.bench.runner import Runner, parse_method, run_bench, terminal_progress, verification_cost_curve
+from assistgen.bench.runner import Runner, parse_method, run_bench, terminal_progress
+from assistgen.costs import verification_costs
 from assistgen.models import load_model
 
 
@@ -70,7 +71,7 @@ def run_command(args: argparse.Namespace) -> int:
     runner = Runner(target, assistant, args.max_new_tokens, args.chat, args.turn, args.seed)
     records, ran = run_bench(runner, prompts, methods, temperatures, Path(args.out) if args.out else None,
                              terminal_progress)
-    curve = None if args.no_cost_curve else verification_cost_curve(target)
+    curve = None if args.no_cost_curve else verification_costs(target)
     rows = aggregate(records, curve)
     print(format_table(rows))
     if curve:

@@ -260,10 +260,3 @@ def terminal_progress(i: int, total: int, label: str) -> None:
     end = "\n" if i == total else ""
     sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {i}/{total} {label[:60]:<60}{end}")
     sys.stderr.flush()
-
-
-def verification_cost_curve(model: Model) -> list[float]:
-    """t(n)/t(1) for n = 1..17 new tokens in one forward: the cost model the adaptive policy uses (cached)."""
-    from assistgen.costs import verification_costs
-
-    return verification_costs(model)
