@@ -21,7 +21,7 @@ import torch
 from assistgen import generate, load_model
 from assistgen.api import encode_prompt
 from assistgen.demo import summary_prompt
-from assistgen.transforms import remove_small_rows_linear, small_rows_linear
+from assistgen.transforms import untransformed
 
 PROMPTS = {
     "summary": summary_prompt(),
@@ -31,14 +31,11 @@ PROMPTS = {
 
 def hf_generate(model, ids, n, **kwargs):
     """transformers' generate() on the model without assistgen's transform; returns (tokens, seconds)."""
-    remove_small_rows_linear(model.hf)
-    try:
+    with untransformed(model.hf):
         t = time.perf_counter()
         out = model.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                 max_new_tokens=n, do_sample=False, **kwargs)
         return out[0, len(ids):].tolist(), time.perf_counter() - t
-    finally:
-        small_rows_linear(model.hf, mode="on")
 
 
 def ours(model, ids, n, **kwargs):

@@ -2,9 +2,10 @@
 
 For each model: one forward over n = 1..17 new tokens after a context (128 tokens by default),
 with every linear on PyTorch's own `F.linear`, on the small-row MKL route and on the oneDNN
-packed route; then the route per row count that `costs.tune_routes` picks and the resulting
-verification-cost curve v(k) = t(k+1)/t(1) that the adaptive policy uses. Prints a table and one
-JSON line.
+packed route (all with transformers' SDPA attention); then the faster route per row count (as
+`costs.tune_routes` picks it) with transformers' attention ("tuned") and with the grouped-query
+attention (`transforms.grouped_query_attention`, "tuned+gqa"), and the verification-cost curve
+v(k) = t(k+1)/t(1) of the latter, which is what `load_model` gives. Prints a table and one JSON line.
 
     python benchmarks/costs.py [--models smollm2-135m,gemma3-270m] [--context 128]
 """
@@ -16,9 +17,16 @@ import json
 
 from assistgen import load_model
 from assistgen.costs import measure_step_times
-from assistgen.transforms import remove_small_rows_linear, small_rows_linear
+from assistgen.transforms import (
+    DEFAULT_MAX_ROWS,
+    grouped_query_attention,
+    remove_grouped_query_attention,
+    remove_small_rows_linear,
+    small_rows_linear,
+)
 
 ROUTES = ("F.linear", "mkl", "onednn")
+COLUMNS = (*ROUTES, "tuned", "tuned+gqa")
 
 
 def times_by_route(name: str, context: int) -> dict[str, list[float]]:
@@ -29,6 +37,13 @@ def times_by_route(name: str, context: int) -> dict[str, list[float]]:
         if route != "F.linear":
             small_rows_linear(model.hf, mode="on", routes=route)
         out[route] = measure_step_times(model, context=context, repeats=3)
+    chosen = ["mkl"] + ["mkl" if m <= o else "onednn" for m, o in zip(out["mkl"], out["onednn"], strict=True)]
+    table = chosen + [chosen[-1]] * (DEFAULT_MAX_ROWS + 1 - len(chosen))  # index = rows
+    remove_small_rows_linear(model.hf)
+    small_rows_linear(model.hf, mode="on", routes=table)
+    for column in ("tuned", "tuned+gqa"):
+        (grouped_query_attention if column == "tuned+gqa" else remove_grouped_query_attention)(model.hf)
+        out[column] = measure_step_times(model, context=context, repeats=3)
     return out
 
 
@@ -40,14 +55,14 @@ def main() -> None:
     results = {}
     for name in args.models.split(","):
         times = times_by_route(name, args.context)
-        best = [min(times["mkl"][i], times["onednn"][i]) for i in range(len(times["mkl"]))]
+        best = times["tuned+gqa"]
         results[name] = {route: [round(t * 1e3, 1) for t in ts] for route, ts in times.items()}
         results[name]["tuned_v"] = [round(t / best[0], 2) for t in best]
         print(f"\n{name}: ms per forward over n new tokens after {args.context} tokens of context")
-        print(f"{'n':>3} " + " ".join(f"{r:>9}" for r in ROUTES) + f"{'tuned':>9}{'v(n-1)':>8}")
+        print(f"{'n':>3} " + " ".join(f"{r:>10}" for r in COLUMNS) + f"{'v(n-1)':>8}")
         for i in range(len(best)):
-            row = " ".join(f"{times[r][i] * 1e3:9.1f}" for r in ROUTES)
-            print(f"{i + 1:>3} {row}{best[i] * 1e3:9.1f}{best[i] / best[0]:8.2f}")
+            row = " ".join(f"{times[r][i] * 1e3:10.1f}" for r in COLUMNS)
+            print(f"{i + 1:>3} {row}{best[i] / best[0]:8.2f}")
     print(json.dumps({"benchmark": "costs", "context": args.context, "models": results}))
 
 

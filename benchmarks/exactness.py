@@ -20,7 +20,7 @@ from assistgen import generate, load_model
 from assistgen.api import encode_prompt
 from assistgen.demo import summary_prompt
 from assistgen.exactness import first_divergence
-from assistgen.transforms import remove_small_rows_linear, small_rows_linear
+from assistgen.transforms import untransformed
 
 PROMPTS = [
     summary_prompt(),
@@ -37,13 +37,10 @@ PROMPTS = [
 
 
 def hf_reference(model, ids, n):
-    remove_small_rows_linear(model.hf)
-    try:
+    with untransformed(model.hf):
         out = model.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                 max_new_tokens=n, do_sample=False)
         return out[0, len(ids):].tolist()
-    finally:
-        small_rows_linear(model.hf, mode="on")
 
 
 def main(argv=None) -> int:

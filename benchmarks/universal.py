@@ -20,7 +20,7 @@ import torch
 
 from assistgen import generate, load_model
 from assistgen.api import encode_prompt
-from assistgen.transforms import remove_small_rows_linear, small_rows_linear
+from assistgen.transforms import untransformed
 
 PROMPTS = {
     "story": "Write a short story about a lighthouse keeper who finds a message in a bottle.\n\n",
@@ -51,19 +51,14 @@ def main(argv=None) -> int:
     n = args.tokens
 
     def hf(ids, uag: bool, n=n):
-        remove_small_rows_linear(target.hf)
-        remove_small_rows_linear(assistant.hf)
         extra = {"assistant_model": assistant.hf, "tokenizer": target.tokenizer,
                  "assistant_tokenizer": assistant.tokenizer} if uag else {}
-        try:
+        with untransformed(target.hf, assistant.hf):
             counter.count = 0
             t = time.perf_counter()
             out = target.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                      max_new_tokens=n, do_sample=False, **extra)
             return out[0, len(ids):].tolist(), time.perf_counter() - t, counter.count
-        finally:
-            small_rows_linear(target.hf, mode="on")
-            small_rows_linear(assistant.hf, mode="on")
 
     def ours(ids, universal: bool, n=n):
         counter.count = 0

@@ -102,3 +102,13 @@ def test_missing_gguf_file(tmp_path):
 def test_folder_without_a_model(tmp_path):
     with pytest.raises(ModelLoadError, match="not a model folder"):
         load_model(str(tmp_path))
+
+
+def test_a_schedule_given_as_text_is_parsed_or_refused_clearly():
+    model = tiny_llama()
+    out = generate(model, encode("abc abc abc"), lookup=True, schedule="constant:3", max_new_tokens=5)
+    assert len(out.token_ids) == 5
+    with pytest.raises(ConfigError, match="unknown schedule 'fast'"):
+        generate(model, encode("abc"), lookup=True, schedule="fast", max_new_tokens=2)
+    with pytest.raises(ConfigError, match="schedule must be a schedule object"):
+        generate(model, encode("abc"), lookup=True, schedule=4, max_new_tokens=2)

@@ -23,7 +23,7 @@ from assistgen.drafters import (
 from assistgen.engine import Chunk
 from assistgen.engine import stream as run_loop
 from assistgen.models import Model, load_model
-from assistgen.schedules import Adaptive
+from assistgen.schedules import Adaptive, parse_schedule
 from assistgen.stats import Stats
 from assistgen.universal import UniversalDrafter
 
@@ -135,7 +135,7 @@ def stream(
     `ngram_cache` (True: the process-wide cross-request n-gram cache, or an `NGramCache`), then one
     model: `assistant` (a model, name or drafter; another tokenizer switches to universal mode) or
     `early_exit` (True, or a layer count: the target's own first layers draft). `schedule` defaults
-    to the cost-aware `Adaptive` policy. `settings` are the fields of `GenerationConfig`:
+    to the cost-aware `Adaptive` policy; a schedule object or its CLI form ('constant:4', 'heuristic'). `settings` are the fields of `GenerationConfig`:
     max_new_tokens, temperature, top_k, top_p, seed, stop, eos_token_ids.
     """
     try:
@@ -149,8 +149,21 @@ def stream(
     target = as_model(model)
     prompt_ids = encode_prompt(target, prompt, chat)
     drafter = make_drafter(target, assistant, lookup, early_exit, ngram_cache)
-    schedule = schedule.fresh() if schedule is not None else default_schedule(drafter)
+    schedule = as_schedule(schedule) if schedule is not None else default_schedule(drafter)
     yield from run_loop(target, prompt_ids, drafter, schedule, config)
+
+
+def as_schedule(schedule):
+    """A fresh copy of a schedule object, or one parsed from its CLI form ('constant:4', 'adaptive', ...)."""
+    if isinstance(schedule, str):
+        try:
+            return parse_schedule(schedule)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+    if not callable(getattr(schedule, "fresh", None)):
+        raise ConfigError(f"schedule must be a schedule object (assistgen.schedules) or a string such as "
+                          f"'constant:4' or 'adaptive', got {type(schedule).__name__}.")
+    return schedule.fresh()
 
 
 def generate(

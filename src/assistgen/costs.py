@@ -54,7 +54,7 @@ def measure_step_times(model: Model, max_k: int = MAX_K, context: int = 128, rep
 def fingerprint(model: Model) -> str:
     from transformers import __version__ as transformers_version
 
-    from assistgen.transforms import is_applied
+    from assistgen.transforms import grouped_attention_applied, is_applied
 
     parts = [
         model.cache_key or model.name,
@@ -65,6 +65,7 @@ def fingerprint(model: Model) -> str:
         _cpu_name(),
         str(torch.get_num_threads()),
         f"small-rows={is_applied(model.hf)}",
+        f"grouped-attention={grouped_attention_applied(model.hf)}",
         "routes=v2",
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

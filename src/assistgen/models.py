@@ -118,7 +118,8 @@ def load_model(
 ) -> Model:
     """Load `spec`: an embedded alias, a `.gguf` file, a local model folder or a hub id.
 
-    `fast_linear` applies `assistgen.transforms.small_rows_linear` ("auto": where it measures faster).
+    `fast_linear` applies `assistgen.transforms.small_rows_linear` ("auto": where it measures faster)
+    and `assistgen.transforms.grouped_query_attention` (same numbers, cheaper verification).
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ModelLoadError(f"Empty model name. Use one of {', '.join(EMBEDDED)}, a folder, a .gguf file or a hub id.")
@@ -140,8 +141,9 @@ def load_model(
     model.cache_key = f"{spec}-{str(dtype).removeprefix('torch.')}-{device}"
     if fast_linear:
         from assistgen.costs import tune_routes
-        from assistgen.transforms import small_rows_linear
+        from assistgen.transforms import grouped_query_attention, small_rows_linear
 
+        grouped_query_attention(model.hf)
         if small_rows_linear(model.hf, mode="auto" if fast_linear == "auto" else "on"):
             tune_routes(model)  # the faster route per row count, measured once per machine (cached)
     return model

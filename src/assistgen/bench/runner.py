@@ -29,7 +29,7 @@ from assistgen.bench.dataset import Prompt
 from assistgen.drafters import same_tokenizer
 from assistgen.models import Model
 from assistgen.schedules import parse_schedule
-from assistgen.transforms import is_applied, remove_small_rows_linear, small_rows_linear
+from assistgen.transforms import untransformed
 
 SOURCES = ("lookup", "ngram", "assistant", "early-exit")
 HF_METHODS = ("plain", "lookup", "assistant")
@@ -156,7 +156,7 @@ class Runner:
             if not same_tokenizer(self.target, self.assistant):
                 kwargs.update(tokenizer=self.target.tokenizer, assistant_tokenizer=self.assistant.tokenizer)
         models = [self.target.hf] + ([self.assistant.hf] if method.drafter == "assistant" else [])
-        with unmodified(models):
+        with untransformed(*models):
             torch.manual_seed(self.seed)
             start = time.perf_counter()
             out = self.target.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
@@ -164,21 +164,6 @@ class Runner:
                                           or (self.target.eos_token_ids or (0,))[0], **kwargs)
             seconds = time.perf_counter() - start
         return {"tokens": out[0, len(ids):].tolist(), "seconds": seconds, "mode": method.spec}
-
-
-class unmodified:
-    """Context manager: transformers runs on the models as PyTorch ships them (no small-row transform)."""
-
-    def __init__(self, modules: list[torch.nn.Module]):
-        self.modules = [m for m in modules if is_applied(m)]
-
-    def __enter__(self):
-        for m in self.modules:
-            remove_small_rows_linear(m)
-
-    def __exit__(self, *exc):
-        for m in self.modules:
-            small_rows_linear(m, mode="on")
 
 
 def load_done(path: Path | None) -> dict[str, dict]:
