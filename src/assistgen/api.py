@@ -135,7 +135,8 @@ def stream(
     `ngram_cache` (True: the process-wide cross-request n-gram cache, or an `NGramCache`), then one
     model: `assistant` (a model, name or drafter; another tokenizer switches to universal mode) or
     `early_exit` (True, or a layer count: the target's own first layers draft). `schedule` defaults
-    to the cost-aware `Adaptive` policy; a schedule object or its CLI form ('constant:4', 'heuristic'). `settings` are the fields of `GenerationConfig`:
+    to the cost-aware `Adaptive` policy; a schedule object or its CLI form ('constant:4', 'heuristic').
+    `settings` are the fields of `GenerationConfig`:
     max_new_tokens, temperature, top_k, top_p, seed, stop, eos_token_ids.
     """
     try:
