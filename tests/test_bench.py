@@ -136,3 +136,22 @@ def test_tiny_end_to_end_cli_writes_table_json_and_png(tmp_path, capsys):
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
     assert main(argv[:-2] + ["--categories", "nope"]) == 2
     assert "Unknown categories" in capsys.readouterr().err
+
+
+def test_decode_phase_speedup_leaves_out_the_prefill():
+    def record(method, seconds, prefill_s, steps, drafted, accepted):
+        return {"question_id": "c1", "category": "copy", "method": method, "temperature": 0.0, "tokens": [1] * 60,
+                "new_tokens": 60, "seconds": seconds, "prefill_s": prefill_s, "target_forward_passes": steps + 1,
+                "steps": steps, "drafted": drafted, "accepted": accepted, "draft_s": 0.0, "verify_s": seconds}
+
+    curve = [1.0] + [1.5] * 16
+    rows = aggregate([record("plain", 6.5, 0.5, 60, 0, 0), record("lookup", 2.5, 0.5, 6, 54, 54)], curve)
+    lookup = next(r for r in rows if r["category"] == "copy" and r["method"] == "lookup")
+    assert lookup["speedup_vs_plain"] == pytest.approx(6.5 / 2.5)
+    assert lookup["decode_speedup_vs_plain"] == pytest.approx(6.0 / 2.0)
+    assert lookup["oracle_bound"] == pytest.approx(10 / 1.5)  # k = 54 / 6 = 9
+    assert lookup["decode_share_of_oracle_bound"] == pytest.approx(3.0 / (10 / 1.5))
+    hf_record = record("hf-plain", 6.0, 0, 60, 0, 0)
+    del hf_record["prefill_s"]  # transformers' generate() reports no prefill time
+    hf = aggregate([record("plain", 6.5, 0.5, 60, 0, 0), hf_record])
+    assert all("decode_speedup_vs_plain" not in r for r in hf if r["method"] == "hf-plain")

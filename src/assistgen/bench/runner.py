@@ -141,7 +141,8 @@ class Runner:
         s = out.stats
         return {"tokens": out.token_ids, "seconds": seconds, "mode": s.mode, "steps": s.steps,
                 "drafted": s.drafted_tokens, "accepted": s.accepted_tokens, "draft_s": s.draft_s,
-                "verify_s": s.verify_s, "draft_calls": s.draft_forward_passes, "notes": s.notes}
+                "verify_s": s.verify_s, "prefill_s": s.prefill_s, "draft_calls": s.draft_forward_passes,
+                "notes": s.notes}
 
     def _run_hf(self, method, ids, temperature, max_new_tokens) -> dict:
         kwargs: dict = {"max_new_tokens": max_new_tokens}
