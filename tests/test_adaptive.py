@@ -60,8 +60,9 @@ def test_the_choice_follows_the_shape_of_the_cost_curve():
     assert best_lookahead([1.0] * 8, costs, c=0.0, k_max=7)[0] == 4
 
 
-def step(draft: list[int], part: str, verified: int, accepted: int, token: int, probs=None) -> Step:
-    return Step(Draft(draft, probs, source=part), part, verified, accepted, token, draft_s=1e-4, verify_s=0.05)
+def step(draft: list[int], part: str, verified: int, accepted: int, token: int, probs=None, source=None) -> Step:
+    return Step(Draft(draft, probs, source=source or part), part, verified, accepted, token, draft_s=1e-4,
+                verify_s=0.05)
 
 
 def test_a_cheap_drafter_is_trimmed_to_zero_when_wrong_and_comes_back_when_right():
@@ -145,3 +146,56 @@ def test_a_probe_that_must_catch_up_on_a_long_prompt_waits_longer():
             if policy.next_k(Costly()) == 0:
                 policy.update(step([], "", 0, 0, token=1))
     assert short.probes >= 2 and long.probes == 0
+
+
+def test_a_new_source_starts_from_its_drafters_pooled_estimate():
+    policy = Adaptive(costs=[1.0 + 0.05 * k for k in range(17)])
+    policy.prepare(None, [Cheap()])
+    for _ in range(3):  # lookup:3 drafts are always right
+        draft = [5] * 16
+        n = policy.trim(Draft(draft, source="lookup:3"), "lookup")
+        policy.update(step(draft, "lookup", n, n, token=5, source="lookup:3"))
+    assert policy.trim(Draft([5] * 16, source="lookup:3"), "lookup") == 16
+    # A first lookup:1 draft is judged by what lookup has shown so far, not by the 0.5 prior.
+    fresh = Adaptive(costs=policy.costs)
+    fresh.prepare(None, [Cheap()])
+    assert fresh.trim(Draft([5] * 16, source="lookup:1"), "lookup") < 16
+    assert policy.trim(Draft([5] * 16, source="lookup:1"), "lookup") == 16
+
+
+class Oracle:
+    """Drafts the target's own greedy continuation (known in advance): every draft token is right."""
+
+    name = "oracle"
+    context_length = None
+
+    def __init__(self, prompt: list[int], continuation: list[int]):
+        self.sequence = prompt + continuation
+
+    def propose(self, ids, k, sampler, min_confidence=0.0):
+        assert ids == self.sequence[: len(ids)]
+        return Draft(self.sequence[len(ids) : len(ids) + k])
+
+    def observe(self, num_accepted, target_probs=None):
+        pass
+
+    def finish(self, ids):
+        pass
+
+    def report(self):
+        return {}
+
+
+def test_no_draft_token_is_verified_past_max_new_tokens():
+    target = tiny_llama(seed=0)
+    ids = encode("Once upon a time")
+    reference = generate(target, ids, max_new_tokens=80, eos_token_ids=()).token_ids
+    for n in (1, 2, 7, 23, 40):
+        out = generate(target, ids, assistant=Oracle(ids, reference), schedule="constant:16", max_new_tokens=n,
+                       eos_token_ids=())
+        assert out.token_ids == reference[:n]
+        # every step emits its accepted draft tokens plus one, and every verified draft token is accepted:
+        # nothing verified was thrown away at the end
+        assert out.stats.accepted_tokens + out.stats.steps == n
+        assert out.stats.drafted_tokens == out.stats.accepted_tokens
+        assert out.stats.steps == -(-n // 17)

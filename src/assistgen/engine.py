@@ -51,7 +51,9 @@ def stream(
     prefill(cache, ids, stats)
     finish = None
     while finish is None:
-        room = context - len(ids) - 1  # the sequence never outgrows the context
+        # Draft no more than can be used: the sequence never outgrows the context, and a step emits
+        # its accepted tokens plus one, so r tokens still wanted need at most r - 1 draft tokens.
+        room = min(context - len(ids), config.max_new_tokens - stats.new_tokens) - 1
         draft, part, draft_s = propose(parts, ids, schedule, room, sampler, stats)
         n = max(0, min(schedule.trim(draft, part), room))
         accepted, token, p, verify_s = verify(cache, ids, draft, n, sampler, stats)

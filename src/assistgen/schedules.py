@@ -130,11 +130,13 @@ class Acceptance:
     prior: float
     weight: float
     size: int
+    start: list[float] | None = None  # per-position rates assumed before any observation (default: prior)
     rates: list[float] = field(init=False)
     seen: list[int] = field(init=False)
 
     def __post_init__(self):
-        self.rates = [self.prior] * self.size
+        self.rates = list(self.start[: self.size]) if self.start else [self.prior] * self.size
+        self.rates += [self.rates[-1] if self.rates else self.prior] * (self.size - len(self.rates))
         self.seen = [0] * self.size
 
     def observe(self, position: int, accepted: bool) -> None:
@@ -219,9 +221,13 @@ class Adaptive:
             if prior is not None and part.name not in self.acceptance:
                 self.acceptance[part.name] = Acceptance(float(prior), self.weight, self.max_k + 1)
 
-    def estimate(self, source: str) -> Acceptance:
+    def estimate(self, source: str, part: str = "") -> Acceptance:
+        """The estimate for a draft source (e.g. "lookup:3"); a new source of a drafter that has
+        drafted before starts from that drafter's pooled estimate instead of the prior."""
         if source not in self.acceptance:
-            self.acceptance[source] = Acceptance(self.prior, self.weight, self.max_k + 1)
+            pooled = self.acceptance.get(part) if part and part != source else None
+            start = pooled.estimate() if pooled is not None else None
+            self.acceptance[source] = Acceptance(self.prior, self.weight, self.max_k + 1, start)
         return self.acceptance[source]
 
     def _k_max(self) -> int:
@@ -251,7 +257,7 @@ class Adaptive:
     def trim(self, draft: Draft, part: str = "") -> int:
         if not draft.tokens or self.drafter_cost.get(part, 0.0) >= self.free_cost:
             return len(draft.tokens)  # a costly drafter was already asked for the best k
-        rates = self.estimate(draft.source or part).estimate()
+        rates = self.estimate(draft.source or part, part).estimate()
         k, _ = best_lookahead(rates, self.costs, 0.0, len(draft.tokens))
         return k
 
@@ -266,13 +272,15 @@ class Adaptive:
             self.last_part = step.part
             return
         self.seen[step.part] = self.length
-        acceptance = self.estimate(step.draft.source or step.part)
-        acceptance.record(step.verified, step.accepted)
+        source = step.draft.source or step.part
+        estimates = [self.estimate(source, step.part)] + ([self.estimate(step.part)] if source != step.part else [])
         unverified = step.draft.tokens[step.verified :]
-        if step.accepted == step.verified and unverified and step.draft.probs is None:
-            # The target's own next token tells, for free, whether the next draft token would have been accepted
-            # (greedy: exactly; sampling: with probability p(token), the one-hot acceptance probability).
-            acceptance.observe(step.verified, step.token == unverified[0])
+        for acceptance in estimates:  # the source's own, and its drafter's pooled one
+            acceptance.record(step.verified, step.accepted)
+            if step.accepted == step.verified and unverified and step.draft.probs is None:
+                # The target's own next token tells, for free, whether the next draft token would have been accepted
+                # (greedy: exactly; sampling: with probability p(token), the one-hot acceptance probability).
+                acceptance.observe(step.verified, step.token == unverified[0])
         if step.part == self.last_part and self.unit_s:  # a drafter that drafted last step too: no catch-up cost
             c = step.draft_s / len(step.draft.tokens) / self.unit_s
             old = self.drafter_cost.get(step.part, c)
