@@ -10,7 +10,7 @@ from conftest import encode, hf_greedy, tiny_llama
 import assistgen.costs
 from assistgen import Adaptive, Draft, generate
 from assistgen.costs import verification_costs
-from assistgen.schedules import Acceptance, Step, best_lookahead, expected_gain, expected_tokens
+from assistgen.schedules import Acceptance, Step, best_lookahead, expected_gain, expected_tokens, finishing_pays
 
 FLAT = [1.0] * 17  # verification as cheap as one token (the GPU picture)
 LINEAR = [1.0 + k for k in range(17)]  # every verified token costs a full step (no batching gain)
@@ -199,3 +199,17 @@ def test_no_draft_token_is_verified_past_max_new_tokens():
         assert out.stats.accepted_tokens + out.stats.steps == n
         assert out.stats.drafted_tokens == out.stats.accepted_tokens
         assert out.stats.steps == -(-n // 17)
+
+
+def test_near_the_end_it_verifies_everything_that_can_finish_the_generation():
+    costs = [1.0] * 6 + [1.3] * 11  # up to 5 draft tokens cost one step, 6 or more cost 1.3
+    policy = Adaptive(costs=costs)
+    policy.prepare(None, [Cheap()])
+    for _ in range(3):  # lookup is always right
+        policy.update(step([5] * 16, "lookup", 16, 16, token=5))
+    draft = Draft([5] * 6, source="lookup")
+    assert policy.trim(draft, "lookup") == 5  # per step, 6 tokens for 1.0 beat 7 for 1.3
+    assert policy.trim(draft, "lookup", room=6) == 6  # but 7 tokens end the generation: one step, not two
+    assert policy.trim(Draft([5] * 16, source="lookup"), "lookup", room=30) == 16  # far from the end: unchanged
+    assert finishing_pays([1.0] * 17, costs, 5, 6.0, 6)
+    assert not finishing_pays([0.2] * 17, costs, 1, 1.2, 6)  # unlikely to finish anyway: keep the cheap step

@@ -55,7 +55,7 @@ def stream(
         # its accepted tokens plus one, so r tokens still wanted need at most r - 1 draft tokens.
         room = min(context - len(ids), config.max_new_tokens - stats.new_tokens) - 1
         draft, part, draft_s = propose(parts, ids, schedule, room, sampler, stats)
-        n = max(0, min(schedule.trim(draft, part), room))
+        n = max(0, min(schedule.trim(draft, part, room), room))
         accepted, token, p, verify_s = verify(cache, ids, draft, n, sampler, stats)
         cache.crop(len(ids) + accepted)  # roll back the rejected draft positions
         drafter.observe(accepted, p)

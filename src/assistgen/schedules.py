@@ -3,7 +3,9 @@
 Contract: a schedule is per generation (`fresh()` returns a new one with the same settings) and has
     prepare(target, parts, prompt_length)  once, before the first step (parts: the drafters, cheapest first);
     next_k(part) -> int         how many tokens to ask `part` for (0: skip it this step);
-    trim(draft, part) -> int    how many of the proposed tokens to verify (<= len(draft.tokens));
+    trim(draft, part, room) -> int  how many of the proposed tokens to verify (<= len(draft.tokens));
+                                room: the most draft tokens that can still be used (the generation ends
+                                after room + 1 more tokens), or None when unknown;
     update(step)                the outcome of the step (`Step`);
     report() -> dict            figures for the statistics;
 and `min_confidence` (a model drafter stops early when its top probability falls below it; 0
@@ -50,7 +52,7 @@ class Constant:
     def next_k(self, part=None) -> int:
         return self.k
 
-    def trim(self, draft: Draft, part: str = "") -> int:
+    def trim(self, draft: Draft, part: str = "", room: int | None = None) -> int:
         return len(draft.tokens)
 
     def update(self, step: Step) -> None:
@@ -121,6 +123,22 @@ def best_lookahead(rates: list[float], costs: list[float], c: float, k_max: int)
         if gain > best_gain:
             best, best_gain = k, gain
     return best, best_gain
+
+
+def finishing_pays(rates: list[float], costs: list[float], k: int, gain: float, room: int) -> bool:
+    """Near the end of a generation, whether verifying all `room` usable draft tokens (which ends it
+    if all are accepted) is expected to finish sooner than the best per-step choice `k`.
+
+    Expected time to the end, in plain steps: this step's verification, then the tokens still
+    missing at the best rate `gain` per step, but at least one more step for whatever is left.
+    """
+    wanted = room + 1  # tokens until the generation ends
+
+    def time_to_finish(n: int) -> float:
+        left = max(0.0, wanted - expected_tokens(rates, n))
+        return costs[min(n, len(costs) - 1)] + (max(left / gain, min(left, 1.0)) if left > 1e-9 else 0.0)
+
+    return time_to_finish(room) <= time_to_finish(k)
 
 
 @dataclass
@@ -254,11 +272,13 @@ class Adaptive:
         unseen = self.length - self.seen.get(name, 0)
         return c + self.costs[1] - 1.0 + c * unseen / self.prefill_speedup
 
-    def trim(self, draft: Draft, part: str = "") -> int:
+    def trim(self, draft: Draft, part: str = "", room: int | None = None) -> int:
         if not draft.tokens or self.drafter_cost.get(part, 0.0) >= self.free_cost:
             return len(draft.tokens)  # a costly drafter was already asked for the best k
         rates = self.estimate(draft.source or part, part).estimate()
-        k, _ = best_lookahead(rates, self.costs, 0.0, len(draft.tokens))
+        k, gain = best_lookahead(rates, self.costs, 0.0, len(draft.tokens))
+        if room is not None and k < room <= len(draft.tokens) and finishing_pays(rates, self.costs, k, gain, room):
+            return room
         return k
 
     def update(self, step: Step) -> None:
