@@ -1,0 +1,98 @@
+"""How fast can prompt lookup be on these outputs at best? The ceiling that acceptance allows.
+
+Reads an `assistgen bench` results file. For every greedy plain record it replays the target's own
+output against the lookup drafter (`drafters.lookup_continuation`, n-grams 3..1, up to 16 tokens)
+and counts, at each step, how many draft tokens the target would accept (a). Two ceilings follow
+per category, both for the decode phase (after the prefill):
+  - free verification: tokens per step, mean(a + 1): the speed-up if verifying were free;
+  - oracle policy: sum(a + 1) / sum(v[a]) with the target's measured verification costs v: a policy
+    that knew in advance how many tokens would be accepted and verified exactly those (0: a plain
+    step). No schedule can beat it with this drafter on this machine.
+Where the file also has lookup records, their measured decode-phase speed-up is set against the
+oracle-policy ceiling. Prints a table and one JSON line.
+
+    python benchmarks/lookup_ceiling.py docs/results/lookup-ceiling-smollm2-135m.jsonl [--method lookup]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+from assistgen import load_model
+from assistgen.api import encode_prompt
+from assistgen.bench.dataset import default_suite, read_prompts
+from assistgen.costs import verification_costs
+from assistgen.drafters import lookup_continuation
+
+MAX_K = 16
+
+
+def accepted_lengths(prompt: list[int], output: list[int], max_k: int = MAX_K) -> list[int]:
+    """Replay `output` step by step: the accepted length of each lookup draft (capped at the end)."""
+    lengths, i = [], 0
+    while i < len(output):
+        room = len(output) - i - 1
+        draft, _ = lookup_continuation(prompt + output[:i], min(max_k, room), 3, 1)
+        a = 0
+        while a < len(draft) and draft[a] == output[i + a]:
+            a += 1
+        lengths.append(a)
+        i += a + 1
+    return lengths
+
+
+def decode_seconds(record: dict) -> float:
+    return record["seconds"] - record["prefill_s"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", help="an `assistgen bench --out` file with greedy plain records")
+    parser.add_argument("--method", default="lookup", help="the measured method to set against the ceiling")
+    args = parser.parse_args()
+    records = [json.loads(line) for line in open(args.results, encoding="utf-8") if line.strip()]
+    records = [r for r in records if r["temperature"] == 0.0]
+    prompts = {p.question_id: p for p in read_prompts(default_suite())}
+    model = load_model(records[0]["model"])
+    costs = verification_costs(model)
+    by = {(r["question_id"], r["method"]): r for r in records}
+    rows: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    changed = []
+    for r in records:
+        if r["method"] != "plain":
+            continue
+        chat = r["key"].endswith("chat=True")
+        ids = encode_prompt(model, prompts[r["question_id"]].turns[0], chat=chat)
+        if len(ids) != r["prompt_tokens"]:
+            changed.append(r["question_id"])  # the suite's prompt changed since the file was written
+            continue
+        lengths = accepted_lengths(ids, r["tokens"])
+        for category in (r["category"], "overall"):
+            row = rows[category]
+            row["tokens"] += len(r["tokens"])
+            row["steps"] += len(lengths)
+            row["cost"] += sum(costs[a] for a in lengths)
+            measured = by.get((r["question_id"], args.method))
+            if measured is not None and "prefill_s" in measured and "prefill_s" in r:
+                row["plain_decode_s"] += decode_seconds(r)
+                row["method_decode_s"] += decode_seconds(measured)
+    out = {}
+    if changed:
+        print(f"skipped {len(changed)} prompts that changed since the file was written: {', '.join(changed)}")
+    print(f"{'category':<14}{'free verif.':>12}{'oracle policy':>14}{'measured':>10}{'share':>7}")
+    for category, row in sorted(rows.items(), key=lambda kv: (kv[0] == "overall", kv[0])):
+        free = row["tokens"] / row["steps"]
+        oracle = row["tokens"] / row["cost"]
+        measured = row["plain_decode_s"] / row["method_decode_s"] if row["method_decode_s"] else None
+        out[category] = {"free_verification": round(free, 3), "oracle_policy": round(oracle, 3),
+                         "measured_decode": round(measured, 3) if measured else None}
+        shown = f"{measured:9.2f}x{measured / oracle:7.0%}" if measured else f"{'-':>10}{'-':>7}"
+        print(f"{category:<14}{free:11.2f}x{oracle:13.2f}x{shown}")
+    print(json.dumps({"benchmark": "lookup-ceiling", "results": args.results, "method": args.method,
+                      "cost_curve": [round(v, 3) for v in costs], "categories": out}))
+
+
+if __name__ == "__main__":
+    main()
