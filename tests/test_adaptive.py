@@ -213,3 +213,21 @@ def test_near_the_end_it_verifies_everything_that_can_finish_the_generation():
     assert policy.trim(Draft([5] * 16, source="lookup"), "lookup", room=30) == 16  # far from the end: unchanged
     assert finishing_pays([1.0] * 17, costs, 5, 6.0, 6)
     assert not finishing_pays([0.2] * 17, costs, 1, 1.2, 6)  # unlikely to finish anyway: keep the cheap step
+
+
+def test_unverified_positions_of_a_free_drafter_are_assumed_at_least_the_floor():
+    acceptance = Acceptance(0.5, 0.2, 17, unseen_floor=0.7)
+    acceptance.record(verified=1, accepted=0)  # the first token was wrong once: rate 0 at position 0
+    acceptance.record(verified=1, accepted=1)
+    rates = acceptance.estimate()
+    assert rates[0] == pytest.approx(0.5) and min(rates[1:]) == pytest.approx(0.7)
+    assert Acceptance(0.5, 0.2, 17).estimate()[1:] == [0.5] * 16  # no floor: the position before
+    costs = [1.0 + 0.05 * k for k in range(17)]
+    optimistic, plain = Adaptive(costs=costs), Adaptive(costs=costs, unseen_floor=0.0)
+    for policy in (optimistic, plain):
+        policy.prepare(None, [Cheap(), Costly()])
+        for accepted in (0, 1, 0, 1):  # only first tokens verified so far, half of them right
+            policy.estimate("lookup").record(1, accepted)
+    assert optimistic.estimate("assistant").unseen_floor == 0.0  # a model drafter pays for every token
+    draft = Draft([5] * 16, source="lookup")
+    assert optimistic.trim(draft, "lookup") > plain.trim(draft, "lookup")

@@ -18,6 +18,7 @@ decide acceptance; the generation loop in `engine.py` does. Plain decoding is `N
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -211,6 +212,24 @@ def lookup_continuation(ids: list[int], k: int, max_ngram: int, min_ngram: int) 
     return [], 0
 
 
+def attempts(parts: list, ids: list[int], k_of, sampler: Sampler, min_confidence: float = 0.0):
+    """Ask each drafter in turn for k_of(part) tokens (skipping those given 0), up to the first
+    non-empty draft. Yields (part, draft cut to k and named by its source, seconds it took)."""
+    for part in parts:
+        k = k_of(part)
+        if k <= 0:
+            continue
+        start = time.perf_counter()
+        draft = part.propose(ids, k, sampler, min_confidence)
+        elapsed = time.perf_counter() - start
+        if len(draft.tokens) > k:
+            draft.tokens, draft.probs = draft.tokens[:k], None if draft.probs is None else draft.probs[:k]
+        draft.source = draft.source or part.name
+        yield part, draft, elapsed
+        if draft.tokens:
+            return
+
+
 class CompositeDrafter:
     """Several drafters tried in order, cheapest first (e.g. prompt lookup, the n-gram cache, a model).
 
@@ -228,10 +247,8 @@ class CompositeDrafter:
         self.context_length = min(limits) if limits else None
 
     def propose(self, ids: list[int], k: int, sampler: Sampler, min_confidence: float = 0.0) -> Draft:
-        for part in self.parts:
-            draft = part.propose(ids, k, sampler, min_confidence)
+        for _, draft, _ in attempts(self.parts, ids, lambda part: k, sampler, min_confidence):
             if draft.tokens:
-                draft.source = draft.source or part.name
                 return draft
         return Draft()
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from assistgen.cache import KVCache
 from assistgen.config import ConfigError, GenerationConfig
-from assistgen.drafters import Draft, Drafter, NoDrafter
+from assistgen.drafters import Draft, Drafter, NoDrafter, attempts
 from assistgen.models import Model
 from assistgen.sampling import Sampler, verify_greedy, verify_speculative
 from assistgen.schedules import Step
@@ -98,19 +98,11 @@ def propose(parts: list, ids: list[int], schedule, room: int, sampler: Sampler, 
 
     Returns (draft, name of the drafter that made it or "", that drafter's time).
     """
-    for part in parts:
-        k = min(schedule.next_k(part), room)
-        if k <= 0:
-            continue
-        t = time.perf_counter()
-        draft = part.propose(ids, k, sampler, schedule.min_confidence)
-        elapsed = time.perf_counter() - t
+    for part, draft, elapsed in attempts(parts, ids, lambda p: min(schedule.next_k(p), room), sampler,
+                                         schedule.min_confidence):
         stats.draft_forward_passes += draft.forward_passes
         stats.draft_s += elapsed
         if draft.tokens:
-            if len(draft.tokens) > k:
-                draft.tokens, draft.probs = draft.tokens[:k], None if draft.probs is None else draft.probs[:k]
-            draft.source = draft.source or part.name
             return draft, part.name, elapsed
     return Draft(), "", 0.0
 

@@ -149,6 +149,7 @@ class Acceptance:
     weight: float
     size: int
     start: list[float] | None = None  # per-position rates assumed before any observation (default: prior)
+    unseen_floor: float = 0.0  # a never-observed position is assumed at least this likely to be accepted
     rates: list[float] = field(init=False)
     seen: list[int] = field(init=False)
 
@@ -172,11 +173,11 @@ class Acceptance:
             self.observe(accepted, False)
 
     def estimate(self) -> list[float]:
-        """Rates with never-observed positions taken from the position before them."""
+        """Rates with never-observed positions taken from the position before them (at least `unseen_floor`)."""
         out = list(self.rates)
         for i in range(1, len(out)):
             if self.seen[i] == 0:
-                out[i] = out[i - 1]
+                out[i] = max(out[i - 1], self.unseen_floor)
         return out
 
 
@@ -195,6 +196,11 @@ class Adaptive:
     max_k: int = 16
     weight: float = 0.2  # EMA weight of a new acceptance observation
     prior: float = 0.5  # acceptance assumed before any observation
+    # For free drafters, a draft position never verified yet is assumed at least this likely to be accepted, given
+    # the ones before it (a draft that starts right tends to stay right): the policy then tries longer drafts
+    # instead of growing them one position per step. Chosen by replaying the suite's outputs
+    # (benchmarks/lookup_ceiling.py); model drafters, whose every drafted token costs, keep the plain estimate.
+    unseen_floor: float = 0.7
     probe_share: float = 0.01  # at most this share of time probes a drafter that is switched off
     prefill_speedup: float = 16.0  # a drafter catches up on unseen tokens this many times faster than it drafts
     free_cost: float = 0.02  # drafters cheaper than this per token are trimmed after proposing
@@ -205,8 +211,9 @@ class Adaptive:
     def __post_init__(self):
         if self.max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {self.max_k}")
-        if not 0.0 < self.weight <= 1.0 or not 0.0 <= self.prior <= 1.0:
-            raise ValueError(f"need 0 < weight <= 1 and 0 <= prior <= 1, got {self.weight}, {self.prior}")
+        if not 0.0 < self.weight <= 1.0 or not 0.0 <= self.prior <= 1.0 or not 0.0 <= self.unseen_floor <= 1.0:
+            raise ValueError(f"need 0 < weight <= 1 and 0 <= prior, unseen_floor <= 1, got {self.weight}, "
+                             f"{self.prior}, {self.unseen_floor}")
         self.acceptance: dict[str, Acceptance] = {}
         self.drafter_cost: dict[str, float] = {}  # c per proposed token, in target steps
         self.unit_s: float | None = None  # the time of one plain step, estimated from every step
@@ -245,7 +252,9 @@ class Adaptive:
         if source not in self.acceptance:
             pooled = self.acceptance.get(part) if part and part != source else None
             start = pooled.estimate() if pooled is not None else None
-            self.acceptance[source] = Acceptance(self.prior, self.weight, self.max_k + 1, start)
+            free = self.drafter_cost.get(part or source, 0.0) < self.free_cost
+            self.acceptance[source] = Acceptance(self.prior, self.weight, self.max_k + 1, start,
+                                                 self.unseen_floor if free else 0.0)
         return self.acceptance[source]
 
     def _k_max(self) -> int:
