@@ -151,16 +151,16 @@ def test_a_probe_that_must_catch_up_on_a_long_prompt_waits_longer():
 def test_a_new_source_starts_from_its_drafters_pooled_estimate():
     policy = Adaptive(costs=[1.0 + 0.05 * k for k in range(17)])
     policy.prepare(None, [Cheap()])
-    for _ in range(3):  # lookup:3 drafts are always right
+    for _ in range(10):  # lookup:3 drafts are always right
         draft = [5] * 16
         n = policy.trim(Draft(draft, source="lookup:3"), "lookup")
         policy.update(step(draft, "lookup", n, n, token=5, source="lookup:3"))
-    assert policy.trim(Draft([5] * 16, source="lookup:3"), "lookup") == 16
+    assert policy.trim(Draft([5] * 16, source="lookup:3"), "lookup") >= 14
     # A first lookup:1 draft is judged by what lookup has shown so far, not by the 0.5 prior.
     fresh = Adaptive(costs=policy.costs)
     fresh.prepare(None, [Cheap()])
-    assert fresh.trim(Draft([5] * 16, source="lookup:1"), "lookup") < 16
-    assert policy.trim(Draft([5] * 16, source="lookup:1"), "lookup") == 16
+    assert fresh.trim(Draft([5] * 16, source="lookup:1"), "lookup") < 8
+    assert policy.trim(Draft([5] * 16, source="lookup:1"), "lookup") >= 14
 
 
 class Oracle:
@@ -205,7 +205,7 @@ def test_near_the_end_it_verifies_everything_that_can_finish_the_generation():
     costs = [1.0] * 6 + [1.3] * 11  # up to 5 draft tokens cost one step, 6 or more cost 1.3
     policy = Adaptive(costs=costs)
     policy.prepare(None, [Cheap()])
-    for _ in range(3):  # lookup is always right
+    for _ in range(10):  # lookup is always right
         policy.update(step([5] * 16, "lookup", 16, 16, token=5))
     draft = Draft([5] * 6, source="lookup")
     assert policy.trim(draft, "lookup") == 5  # per step, 6 tokens for 1.0 beat 7 for 1.3
@@ -231,3 +231,12 @@ def test_unverified_positions_of_a_free_drafter_are_assumed_at_least_the_floor()
     assert optimistic.estimate("assistant").unseen_floor == 0.0  # a model drafter pays for every token
     draft = Draft([5] * 16, source="lookup")
     assert optimistic.trim(draft, "lookup") > plain.trim(draft, "lookup")
+
+
+def test_one_lucky_draft_does_not_set_a_rate_to_one():
+    acceptance = Acceptance(0.5, 0.2, 4)
+    acceptance.record(verified=1, accepted=1)
+    assert acceptance.estimate()[0] == pytest.approx(0.75)  # the prior counts as one observation
+    for _ in range(30):
+        acceptance.record(verified=1, accepted=1)
+    assert acceptance.estimate()[0] > 0.99  # and is forgotten at the EMA weight afterwards

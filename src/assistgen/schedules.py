@@ -150,6 +150,7 @@ class Acceptance:
     size: int
     start: list[float] | None = None  # per-position rates assumed before any observation (default: prior)
     unseen_floor: float = 0.0  # a never-observed position is assumed at least this likely to be accepted
+    prior_weight: float = 1.0  # the starting rates count as this many observations
     rates: list[float] = field(init=False)
     seen: list[int] = field(init=False)
 
@@ -161,8 +162,9 @@ class Acceptance:
     def observe(self, position: int, accepted: bool) -> None:
         if position >= self.size:
             return
-        # Average the first few observations plainly, then forget old ones at `weight`.
-        w = max(self.weight, 1.0 / (self.seen[position] + 1))
+        # Average the first few observations with the starting rate (worth `prior_weight` observations), then forget
+        # old ones at `weight`: one lucky draft does not set a position's rate to 1.
+        w = max(self.weight, 1.0 / (self.seen[position] + 1 + self.prior_weight))
         self.rates[position] += w * (float(accepted) - self.rates[position])
         self.seen[position] += 1
 
