@@ -16,9 +16,8 @@ import argparse
 import json
 
 from assistgen import load_model
-from assistgen.costs import measure_step_times
+from assistgen.costs import measure_step_times, route_table
 from assistgen.transforms import (
-    DEFAULT_MAX_ROWS,
     grouped_query_attention,
     remove_grouped_query_attention,
     remove_small_rows_linear,
@@ -37,10 +36,8 @@ def times_by_route(name: str, context: int) -> dict[str, list[float]]:
         if route != "F.linear":
             small_rows_linear(model.hf, mode="on", routes=route)
         out[route] = measure_step_times(model, context=context, repeats=3)
-    chosen = ["mkl"] + ["mkl" if m <= o else "onednn" for m, o in zip(out["mkl"], out["onednn"], strict=True)]
-    table = chosen + [chosen[-1]] * (DEFAULT_MAX_ROWS + 1 - len(chosen))  # index = rows
     remove_small_rows_linear(model.hf)
-    small_rows_linear(model.hf, mode="on", routes=table)
+    small_rows_linear(model.hf, mode="on", routes=route_table(out))
     for column in ("tuned", "tuned+gqa"):
         (grouped_query_attention if column == "tuned+gqa" else remove_grouped_query_attention)(model.hf)
         out[column] = measure_step_times(model, context=context, repeats=3)

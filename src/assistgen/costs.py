@@ -139,11 +139,20 @@ def measure_calibration(model: Model) -> dict:
             remove_small_rows_linear(model.hf)
             small_rows_linear(model.hf, mode="on", max_rows=DEFAULT_MAX_ROWS, routes=route)
             by_route[route] = measure_step_times(model, repeats=2)
-        chosen = [min(by_route, key=lambda r: by_route[r][n]) for n in range(MAX_K + 1)]  # n+1 rows
-        routes = ["mkl"] + chosen + [chosen[-1]] * (DEFAULT_MAX_ROWS - MAX_K - 1)  # index = rows
+        routes = route_table(by_route)
         small_rows_linear(model.hf, mode="on", max_rows=DEFAULT_MAX_ROWS, routes=routes)  # reuses the packed weights
-        times = [by_route[r][n] for n, r in enumerate(chosen)]
+        times = [by_route[routes[n + 1]][n] for n in range(MAX_K + 1)]  # n+1 rows
         record["routes"] = routes
         record["step_seconds"] = {r: [round(t, 5) for t in ts] for r, ts in by_route.items()}
     record["verification_costs"] = [t / times[0] for t in times]
     return record
+
+
+def route_table(by_route: dict[str, list[float]]) -> list[str]:
+    """The faster route per row count (index = rows, 0..DEFAULT_MAX_ROWS) from step times per route,
+    by_route[route][n] for n+1 rows; ties go to MKL, rows beyond the measured ones keep the last choice."""
+    from assistgen.transforms import DEFAULT_MAX_ROWS
+
+    measured = len(next(iter(by_route.values())))
+    chosen = [min(("mkl", "onednn"), key=lambda r: by_route[r][n]) for n in range(measured)]
+    return ["mkl"] + chosen + [chosen[-1]] * (DEFAULT_MAX_ROWS - measured)

@@ -22,10 +22,10 @@ applies it only if a quick measurement on the model's largest linear layer finds
 
 `grouped_query_attention(model)`: transformers' SDPA attention, for several new tokens over a KV
 cache (a verification step) with grouped-query heads, first copies every cached key and value
-once per query head (`repeat_kv`) and then runs the masked kernel: at 700 tokens of context that
-made verifying 2 tokens cost 1.56x one step on SmolLM2-135M. Here the query heads that share a
-key/value head are stacked as extra query rows instead ([b, kv_heads, rep*q, d]) and the mask is
-repeated to match, so the cache is read in place: 2 tokens then cost 1.00x. It is the same
+once per query head (`repeat_kv`) and then runs the masked kernel. Here the query heads that share
+a key/value head are stacked as extra query rows instead ([b, kv_heads, rep*q, d]) and the mask is
+repeated to match, so the cache is read in place: at 700 tokens of context SmolLM2-135M then
+verifies 2 tokens for 1.02x one step instead of 1.22x (`benchmarks/costs.py`). It is the same
 kernel on the same numbers (bitwise identical logits here); every other case (one token,
 prefill, softcap, position bias, no grouping) goes to transformers' own function unchanged.
 """
@@ -200,7 +200,7 @@ class untransformed:
     transforms come back with the same routes and packed weights."""
 
     def __init__(self, *models: torch.nn.Module):
-        self.linear = [(m, applied_routes(m)) for m in models if applied_routes(m)]
+        self.linear = [(m, routes) for m in models if (routes := applied_routes(m))]
         self.attention = [m for m in models if grouped_attention_applied(m)]
 
     def __enter__(self):
