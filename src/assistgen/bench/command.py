@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", help="write a PNG of the speed-ups")
     p.add_argument("--no-cost-curve", action="store_true", help="skip measuring t(k)/t(1) of the target")
     p.add_argument("--no-fast-linear", action="store_true", help="keep PyTorch's own linear layers")
+    p.add_argument("--quantize", help="int8 | int4: assistgen's methods run the quantized model(s); transformers' "
+                                      "methods run the unquantized ones, loaded beside them")
 
 
 def methods_from(args: argparse.Namespace) -> list:
@@ -54,6 +56,13 @@ def methods_from(args: argparse.Namespace) -> list:
     return [parse_method(s) for s in dict.fromkeys(specs)]
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB."""
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
 def run_command(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.dataset or default_suite())
     prompts = select(prompts, args.categories.split(",") if args.categories else None, args.n, args.seed)
@@ -66,21 +75,28 @@ def run_command(args: argparse.Namespace) -> int:
     if not 1 <= args.turn:
         raise ValueError("--turn counts from 1.")
     fast = not args.no_fast_linear and "auto"
-    target = load_model(args.model, fast_linear=fast)
-    assistant = load_model(args.assistant, fast_linear=fast) if args.assistant else None
+    target = load_model(args.model, fast_linear=fast, quantize=args.quantize)
+    assistant = load_model(args.assistant, fast_linear=fast, quantize=args.quantize) if args.assistant else None
     runner = Runner(target, assistant, args.max_new_tokens, args.chat, args.turn, args.seed)
+    if args.quantize and any(m.engine == "hf" for m in methods):
+        runner.hf_target = load_model(args.model, fast_linear=False)
+        if assistant is not None and any(m.engine == "hf" and m.needs_assistant for m in methods):
+            runner.hf_assistant = load_model(args.assistant, fast_linear=False)
     records, ran = run_bench(runner, prompts, methods, temperatures, Path(args.out) if args.out else None,
                              terminal_progress)
     curve = None if args.no_cost_curve else verification_costs(target)
     rows = aggregate(records, curve)
     print(format_table(rows))
+    quantized = f" (quantized {args.quantize})" if args.quantize else ""
+    print(f"peak RSS of this run: {peak_rss_mb():,.0f} MiB{quantized}")
     if curve:
         print("verification cost t(n)/t(1), n = 1..17 tokens per forward: " + " ".join(f"{x:.2f}" for x in curve))
     if args.plot:
         plot(rows, args.plot, curve)
         print(f"plot written to {args.plot}")
     print(json.dumps({"benchmark": "assistgen-bench", "model": target.name,
-                      "assistant": assistant.name if assistant else None, "prompts": len(prompts),
+                      "assistant": assistant.name if assistant else None, "quantize": args.quantize,
+                      "prompts": len(prompts), "peak_rss_mb": peak_rss_mb(),
                       "methods": [m.spec for m in methods], "temperatures": temperatures,
                       "max_new_tokens": args.max_new_tokens, "runs_this_time": ran, "cost_curve": curve,
                       "rows": rows}))

@@ -95,6 +95,9 @@ class Runner:
     chat: bool = False
     turn: int = 1
     seed: int = 0
+    # transformers' methods run on these when given (the unquantized models of a quantized run)
+    hf_target: Model | None = None
+    hf_assistant: Model | None = None
 
     def __post_init__(self):
         from assistgen.ngram import NGramCache
@@ -107,7 +110,8 @@ class Runner:
 
     def key(self, prompt: Prompt, method: Method, temperature: float) -> str:
         assistant = self.assistant.name if self.assistant else "-"
-        return (f"{self.target.name}|{assistant}|{prompt.question_id}|{method.spec}|t={temperature}"
+        quantized = f"|q={self.target.quantization}" if self.target.quantization else ""
+        return (f"{self.target.name}{quantized}|{assistant}|{prompt.question_id}|{method.spec}|t={temperature}"
                 f"|n={self.max_new_tokens}|turn={self.turn}|chat={self.chat}")
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
@@ -116,7 +120,10 @@ class Runner:
     def run(self, method: Method, ids: list[int], temperature: float, max_new_tokens: int) -> dict:
         if method.needs_assistant and self.assistant is None:
             raise ValueError(f"Method {method.spec} needs --assistant.")
-        counters = [ForwardCounter(self.target.hf)] + ([ForwardCounter(self.assistant.hf)] if self.assistant else [])
+        target, assistant = self.target, self.assistant
+        if method.engine == "hf":
+            target, assistant = self.hf_target or target, self.hf_assistant or assistant
+        counters = [ForwardCounter(target.hf)] + ([ForwardCounter(assistant.hf)] if assistant else [])
         try:
             run = self._run_hf if method.engine == "hf" else self._run_ours
             record = run(method, ids, temperature, max_new_tokens)
@@ -145,6 +152,7 @@ class Runner:
                 "notes": s.notes}
 
     def _run_hf(self, method, ids, temperature, max_new_tokens) -> dict:
+        target, assistant = self.hf_target or self.target, self.hf_assistant or self.assistant
         kwargs: dict = {"max_new_tokens": max_new_tokens}
         if temperature > 0:
             kwargs.update(do_sample=True, temperature=temperature, top_k=0)
@@ -153,16 +161,16 @@ class Runner:
         if method.drafter == "lookup":
             kwargs["prompt_lookup_num_tokens"] = HF_LOOKUP_TOKENS
         if method.drafter == "assistant":
-            kwargs["assistant_model"] = self.assistant.hf
-            if not same_tokenizer(self.target, self.assistant):
-                kwargs.update(tokenizer=self.target.tokenizer, assistant_tokenizer=self.assistant.tokenizer)
-        models = [self.target.hf] + ([self.assistant.hf] if method.drafter == "assistant" else [])
+            kwargs["assistant_model"] = assistant.hf
+            if not same_tokenizer(target, assistant):
+                kwargs.update(tokenizer=target.tokenizer, assistant_tokenizer=assistant.tokenizer)
+        models = [target.hf] + ([assistant.hf] if method.drafter == "assistant" else [])
         with untransformed(*models):
             torch.manual_seed(self.seed)
             start = time.perf_counter()
-            out = self.target.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                          pad_token_id=self.target.tokenizer.pad_token_id
-                                          or (self.target.eos_token_ids or (0,))[0], **kwargs)
+            out = target.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                          pad_token_id=target.tokenizer.pad_token_id
+                                          or (target.eos_token_ids or (0,))[0], **kwargs)
             seconds = time.perf_counter() - start
         return {"tokens": out[0, len(ids):].tolist(), "seconds": seconds, "mode": method.spec}
 
