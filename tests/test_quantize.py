@@ -9,7 +9,6 @@ from conftest import encode, tiny_gemma3, tiny_gpt2, tiny_llama
 from assistgen import generate
 from assistgen.cache import KVCache
 from assistgen.cli import main as cli_main
-from assistgen.transforms import ROW_ATTENTION, grouped_attention_applied, optimize
 from assistgen.quantize import (
     KERNEL_ROWS,
     Int4Linear,
@@ -23,6 +22,7 @@ from assistgen.quantize import (
     row_independent,
     save_quantized,
 )
+from assistgen.transforms import ROW_ATTENTION, grouped_attention_applied, optimize
 
 SCHEMES = ("int8", "int4")
 MODELS = {"llama": tiny_llama, "gemma3": tiny_gemma3}
