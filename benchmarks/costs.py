@@ -3,7 +3,7 @@
 For each model: one forward over n = 1..17 new tokens after a context (128 tokens by default),
 with every linear on PyTorch's own `F.linear`, on the small-row MKL route and on the oneDNN
 packed route (all with transformers' SDPA attention); then the faster route per row count (as
-`costs.tune_routes` picks it) with transformers' attention ("tuned") and with the grouped-query
+`transforms.tune_routes` picks it) with transformers' attention ("tuned") and with the grouped-query
 attention (`transforms.grouped_query_attention`, "tuned+gqa"), and the verification-cost curve
 v(k) = t(k+1)/t(1) of the latter, which is what `load_model` gives. Prints a table and one JSON line.
 
@@ -16,11 +16,12 @@ import argparse
 import json
 
 from assistgen import load_model
-from assistgen.costs import measure_step_times, route_table
+from assistgen.timing import step_times as measure_step_times
 from assistgen.transforms import (
     grouped_query_attention,
     remove_grouped_query_attention,
     remove_small_rows_linear,
+    route_table,
     small_rows_linear,
 )
 
@@ -37,7 +38,8 @@ def times_by_route(name: str, context: int) -> dict[str, list[float]]:
             small_rows_linear(model.hf, mode="on", routes=route)
         out[route] = measure_step_times(model, context=context, repeats=3)
     remove_small_rows_linear(model.hf)
-    small_rows_linear(model.hf, mode="on", routes=route_table(out))
+    routes, padded = route_table(out)
+    small_rows_linear(model.hf, mode="on", routes=routes, padded=padded)
     for column in ("tuned", "tuned+gqa"):
         (grouped_query_attention if column == "tuned+gqa" else remove_grouped_query_attention)(model.hf)
         out[column] = measure_step_times(model, context=context, repeats=3)

@@ -49,7 +49,7 @@ def llama_bench(bins: Path, gguf: Path, threads: int, tokens: int) -> dict:
 def llama_speculative(bins: Path, gguf: Path, draft: Path, text: str, threads: int, tokens: int, k: int) -> dict:
     out = run(bins / "llama-speculative-simple", [
         "-m", str(gguf), "-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(k),
-        "-p", text, "-n", str(tokens), "-t", str(threads), "--temp", "0", "-c", "4096", "--no-warmup"])
+        "-p", text, "-n", str(tokens), "-t", str(threads), "--temp", "0", "-c", "4096"])
     decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", out)
     accept = re.search(r"accept\s+=\s+([\d.]+)%", out)
     if decoded is None:

@@ -128,7 +128,7 @@ def test_verification_costs_are_measured_once_and_cached_on_disk(tmp_path, monke
     def fail(*args, **kwargs):
         raise AssertionError("measured again although a cached measurement exists")
 
-    monkeypatch.setattr(assistgen.costs, "measure_calibration", fail)
+    monkeypatch.setattr(assistgen.costs, "measure_costs", fail)
     assert verification_costs(fresh) == costs
     before = assistgen.costs.costs_path(fresh)
     monkeypatch.setattr(assistgen.costs.torch, "get_num_threads", lambda: 99)

@@ -9,41 +9,64 @@ from conftest import encode, hf_greedy, naive_greedy, tiny_gemma3, tiny_llama
 from assistgen import generate
 from assistgen.cache import KVCache
 from assistgen.transforms import (
+    SmallRowsLinear,
     _grouped_sdpa,
     applied_routes,
     grouped_attention_applied,
     grouped_query_attention,
     is_applied,
     remove_small_rows_linear,
+    route_table,
     small_rows_linear,
     untransformed,
 )
 
 
+def wrapped(layer: torch.nn.Linear) -> torch.nn.Sequential:
+    return torch.nn.Sequential(layer)  # the transform swaps the linears inside a module
+
+
+PADDED = [0, 3, 3, 3, 4, 8, 8, 8, 8] + list(range(9, 33))
+
+
+@pytest.mark.parametrize("padded", [None, PADDED])
 @pytest.mark.parametrize("routes", ["mkl", "onednn", ["mkl", "mkl", "mkl"] + ["onednn"] * 30])
-def test_same_product_for_every_row_count(routes):
+def test_same_product_for_every_row_count(routes, padded):
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 300)
+    model = wrapped(layer)
     for rows in (1, 2, 3, 5, 8, 32, 33, 100):
         x = torch.randn(2, rows, 64)[:1]  # [1, rows, in]
         expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
-        small_rows_linear(layer, mode="on", routes=routes)
-        got = layer(x)
-        remove_small_rows_linear(layer)
+        small_rows_linear(model, mode="on", routes=routes, padded=padded)
+        assert isinstance(model[0], SmallRowsLinear) and model[0].weight is layer.weight  # swapped, no copy
+        got = model(x)
+        remove_small_rows_linear(model)
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    assert not is_applied(layer) and "_assistgen_packed" not in layer.__dict__
+    assert not is_applied(model) and type(model[0]) is torch.nn.Linear and model[0].weight is layer.weight
+
+
+def test_route_table_pads_a_row_count_only_where_a_larger_one_is_clearly_cheaper():
+    # whole-model step seconds for 1..5 rows: one row costs more than four on oneDNN (the 1.5B fp32 curve)
+    by_route = {"mkl": [1.0, 1.1, 1.3, 1.5, 1.8], "onednn": [1.2, 1.0, 0.9, 0.8, 1.9]}
+    routes, padded = route_table(by_route, max_rows=8)
+    assert routes == ["mkl", "mkl", "onednn", "onednn", "onednn", "mkl", "mkl", "mkl", "mkl"]
+    assert padded == [0, 4, 4, 4, 4, 5, 6, 7, 8]
+    flat = {"mkl": [1.0, 0.99, 1.2], "onednn": [1.5, 1.5, 1.5]}  # within 3%: not worth padding
+    assert route_table(flat, max_rows=3)[1] == [0, 1, 2, 3]
 
 
 def test_a_non_contiguous_input_gives_the_same_product():
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 96)
+    model = wrapped(layer)
     x = torch.randn(48, 4).T  # [4, in] laid out as [in, 4], like act(gate) * up
     expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
     for routes in ("mkl", "onednn"):
-        small_rows_linear(layer, mode="on", routes=routes)
-        torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
-        remove_small_rows_linear(layer)
+        small_rows_linear(model, mode="on", routes=routes)
+        torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=1e-5)
+        remove_small_rows_linear(model)
 
 
 def test_transformed_tiny_model_still_decodes_like_transformers():
@@ -59,14 +82,14 @@ def test_a_deep_copy_packs_its_own_weights():
     import copy
 
     torch.manual_seed(0)
-    layer = torch.nn.Linear(32, 64)
-    small_rows_linear(layer, mode="on", routes="onednn")
-    twin = copy.deepcopy(layer)
+    model = wrapped(torch.nn.Linear(32, 64))
+    small_rows_linear(model, mode="on", routes="onednn")
+    twin = copy.deepcopy(model)
     with torch.no_grad():
-        twin.weight.mul_(2)  # the copy's product must follow its own weights
+        twin[0].weight.mul_(2)  # the copy's product must follow its own weights
     x = torch.randn(4, 32)
-    torch.testing.assert_close(twin(x), torch.nn.functional.linear(x, twin.weight, twin.bias), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    for m in (twin[0], model[0]):
+        torch.testing.assert_close(m(x), torch.nn.functional.linear(x, m.weight, m.bias), atol=1e-5, rtol=1e-5)
 
 
 def verification_logits(model, ids: list[int], context: int, n: int) -> torch.Tensor:
@@ -120,9 +143,10 @@ def test_untransformed_restores_the_routes_packed_weights_and_attention():
     table = ["mkl", "mkl", "mkl"] + ["onednn"] * 30
     small_rows_linear(model.hf, mode="on", routes=table)
     grouped_query_attention(model.hf)
-    layer = next(m for m in model.hf.modules() if isinstance(m, torch.nn.Linear))
-    packed = layer._assistgen_packed.tensor
+    layer = model.hf.model.layers[0].mlp.down_proj
+    packed = layer.packed.tensor
     with untransformed(model.hf):
         assert not is_applied(model.hf) and not grouped_attention_applied(model.hf)
+        assert type(model.hf.model.layers[0].mlp.down_proj) is torch.nn.Linear
     assert applied_routes(model.hf) == table and grouped_attention_applied(model.hf)
-    assert layer._assistgen_packed.tensor is packed
+    assert model.hf.model.layers[0].mlp.down_proj is layer and layer.packed.tensor is packed

@@ -120,19 +120,22 @@ def runs(values: list, start: int) -> list[tuple[int, int, object]]:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from assistgen.costs import calibration, costs_path, tune_routes
+    from assistgen.costs import calibration, costs_path
+    from assistgen.transforms import routes_path, tune_routes
 
     model = load_model(args.model, quantize=args.quantize)
-    if args.refresh:
-        tune_routes(model, refresh=True)
-    record = calibration(model)
+    routes = tune_routes(model, refresh=True) if args.refresh else getattr(model.hf, "_assistgen_routes", None)
+    record = calibration(model, refresh=args.refresh)
     costs = record["verification_costs"]
     print(f"{model.name}: cost of verifying k draft tokens relative to one plain step, v(k) = t(k+1)/t(1)")
     print("  " + " ".join(f"k={k}:{v:.2f}" for k, v in enumerate(costs)))
-    if record.get("routes"):
-        groups = runs(record["routes"][1:], start=1)
+    if routes:
+        groups = runs(routes["routes"][1:], start=1)
         print("linear route by rows: " + ", ".join(f"{a}-{b}: {route}" for a, b, route in groups))
-    print(f"measured {record.get('measured', '?')}; cached in {costs_path(model)}")
+        padded = [f"{n}->{p}" for n, p in enumerate(routes["padded"]) if p != n]
+        print("rows run padded: " + (", ".join(padded) if padded else "none"))
+        print(f"routes measured {routes.get('measured', '?')}; cached in {routes_path(model)}")
+    print(f"costs measured {record.get('measured', '?')}; cached in {costs_path(model)}")
     return 0
 
 

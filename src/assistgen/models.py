@@ -21,6 +21,8 @@ from urllib.parse import urlparse
 
 import torch
 
+from assistgen.paths import cache_root, safe_name
+
 
 class ModelLoadError(ValueError):
     """A model spec could not be turned into a model; the message says why and what to do."""
@@ -174,10 +176,6 @@ class Model:
         return ()
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("ASSISTGEN_CACHE", Path.home() / ".cache" / "assistgen"))
-
-
 def converted_dir(alias: str) -> Path:
     return cache_root() / "models" / alias
 
@@ -262,10 +260,6 @@ class _Source:
         return _load_folder(self.converted, dtype, self.name)
 
 
-def _safe(text: str) -> str:
-    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in text)[:80]
-
-
 def _source(spec: str) -> _Source:
     import hashlib
 
@@ -276,14 +270,14 @@ def _source(spec: str) -> _Source:
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}")
         key = f"{path.stem}-{path.stat().st_size}"
-        return _Source(path.name, _safe(key), gguf=path, converted=cache_root() / "models" / key)
+        return _Source(path.name, safe_name(key), gguf=path, converted=cache_root() / "models" / key)
     folder = Path(spec).expanduser()
     if folder.is_dir():
         if not (folder / "config.json").exists():
             raise ModelLoadError(f"{folder} is not a model folder (no config.json).")
         stamp = f"{folder.resolve()}|{(folder / 'config.json').stat().st_mtime_ns}"
-        return _Source(spec, f"{_safe(folder.name)}-{hashlib.sha256(stamp.encode()).hexdigest()[:12]}", folder=folder)
-    return _Source(spec, _safe(spec.replace("/", "--")), hub=spec)
+        return _Source(spec, f"{safe_name(folder.name)}-{hashlib.sha256(stamp.encode()).hexdigest()[:12]}", folder=folder)
+    return _Source(spec, safe_name(spec.replace("/", "--")), hub=spec)
 
 
 def _say(message: str) -> None:

@@ -1,20 +1,23 @@
-"""Transforms applied to a loaded model (not flags inside the loop).
+"""Transforms applied to a loaded model as explicit steps (not flags inside the loop), the way gpt-fast
+applies `quantize.py`: `optimize(model)` runs them; `load_model` calls it unless told not to.
 
 `small_rows_linear(model)`: on these CPUs PyTorch's `F.linear` (x @ W.T) costs almost linearly in
 the number of rows for a few rows, so verifying k draft tokens costs close to k single steps and
-speculation cannot pay. Two routes stream W once for all rows instead:
+speculation cannot pay. Every `nn.Linear` is swapped for a `SmallRowsLinear` (same weight and bias
+tensors, no copy) that streams W once for all rows instead:
   - "mkl": (W @ x.T).T, a single row padded with a zero row (MKL's two-column product streams W
     faster than its matrix-vector path: Gemma-3's 262144x640 head, 16 ms instead of 62 ms);
   - "onednn": oneDNN's linear on a copy of W packed into its blocked layout
     (`torch.ops.mkldnn._reorder_linear_weight`), measured here 2-3x faster than MKL for the
     decoder layers' matrices at 1-16 rows, and for the big output heads from 3 rows up.
 Which is faster depends on the row count, and only a whole-model timing tells (cache-hot
-micro-benchmarks favour oneDNN even at one row, where inside the model MKL wins): `routes` takes a
-route per row count, which `costs.tune_routes` measures once per model and machine. The transform
-swaps the forward of every `nn.Linear` for one that takes the chosen route when the input has at
-most `max_rows` rows, and `F.linear` otherwise (prefill). The packed copies cost extra memory (one
-more copy of the weights) and are taken when the transform is applied: apply it after the weights
-are final.
+micro-benchmarks favour oneDNN even at one row, where inside the model MKL wins): `tune_routes`
+times the whole model on each route once per model and machine (cached as JSON under
+`$ASSISTGEN_CACHE/routes/`) and gives each row count the faster route, or a padded larger row count
+where that measures faster still (the cheapest one-token step may be a padded several-row one).
+Inputs with more than `max_rows` rows (prefill) take `F.linear`. The packed copies cost extra memory
+(one more copy of the weights) and are made when the transform is applied: apply it after the
+weights are final. Quantized models (`quantize.py`) have no `nn.Linear` left and are not touched.
 
 Contract: the result is the same product; floating-point summation order may differ in the last
 bits between routes and row counts, which can only change an argmax at a near-tie. `mode` "auto"
@@ -27,28 +30,33 @@ a key/value head are stacked as extra query rows instead ([b, kv_heads, rep*q, d
 repeated to match, so the cache is read in place: at 700 tokens of context SmolLM2-135M then
 verifies 2 tokens for 1.02x one step instead of 1.22x (`benchmarks/costs.py`). It is the same
 kernel on the same numbers (bitwise identical logits here); every other case (one token,
-prefill, softcap, position bias, no grouping) goes to transformers' own function unchanged.
+prefill, softcap, position bias, no grouping) goes to transformers' own function unchanged. With
+`row_independent=True` (quantized models) every row of a step of up to 32 rows is its own one-row
+call instead, so that a verification step computes each row exactly as plain decoding does.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
-import types
 
 import torch
 import torch.nn.functional as F
 
+from assistgen.paths import cache_root, safe_name
+
 DEFAULT_MAX_ROWS = 32
+ROUTES = ("mkl", "onednn")
+PAD_GAIN = 0.97  # a padded row count is taken only when it measures at least 3% faster
 
 
 def optimize(model, mode: str = "auto") -> None:
-    """The explicit optimization step after loading (`load_model` calls it unless fast_linear=False):
-    grouped-query attention, then the small-row linear routes, tuned per row count on this machine."""
+    """The explicit optimization step after loading: grouped-query (or, quantized, row-by-row) attention,
+    then the small-row linear routes, tuned per row count on this machine."""
     grouped_query_attention(model.hf, row_independent=model.quantization is not None)
     if small_rows_linear(model.hf, mode=mode):
-        from assistgen.costs import tune_routes
-
-        tune_routes(model)  # the faster route per row count, measured once per machine (cached)
+        tune_routes(model)
 
 
 def _mkl_rows(weight: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
@@ -76,76 +84,110 @@ class PackedWeight:
         return PackedWeight(None)
 
 
-def _small_rows_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if 0 < rows <= self._assistgen_max_rows and x.dtype == self.weight.dtype:
+class SmallRowsLinear(torch.nn.Module):
+    """An `nn.Linear` (its own weight and bias tensors) whose products over up to `max_rows` rows take the
+    route the table gives for that row count, padded with zero rows to `padded[rows]` rows."""
+
+    def __init__(self, linear: torch.nn.Linear, routes: list[str], padded: list[int], packed: PackedWeight):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias  # the same Parameters (a tied head stays tied)
+        self.routes, self.padded, self.packed = routes, padded, packed
+        self.max_rows = len(routes) - 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        rows = x.numel() // x.shape[-1] if x.numel() else 0
+        if not 0 < rows <= self.max_rows or x.dtype != self.weight.dtype:
+            return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, x.shape[-1])  # [rows, in]
-        packed = self._assistgen_packed
-        onednn = self._assistgen_routes[rows] == "onednn"
-        if onednn and packed.tensor is None:
-            packed.tensor = pack(self.weight)
-        if onednn and packed.tensor is not None:
-            out = _onednn_rows(packed.tensor, flat)  # [rows, out]
+        if self.padded[rows] > rows:
+            flat = torch.cat([flat, flat.new_zeros(self.padded[rows] - rows, flat.shape[1])])
+        route = self.routes[self.padded[rows]]
+        if route == "onednn" and self.packed.tensor is None:
+            self.packed.tensor = pack(self.weight)
+        if route == "onednn" and self.packed.tensor is not None:
+            out = _onednn_rows(self.packed.tensor, flat)  # [padded rows, out]
         else:
-            out = _mkl_rows(self.weight, flat)  # [rows, out]
+            out = _mkl_rows(self.weight, flat)  # [padded rows, out]
+        out = out[:rows]
         if self.bias is not None:
             out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.weight.shape[0])
-    return F.linear(x, self.weight, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def as_linear(self) -> torch.nn.Linear:
+        """The plain `nn.Linear` on the same tensors."""
+        linear = torch.nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        linear.weight, linear.bias = self.weight, self.bias
+        return linear
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, small-row routes"
 
 
-def _linears(model: torch.nn.Module):
-    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+def _set(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, module)
+
+
+def _swapped(model: torch.nn.Module) -> list[tuple[str, SmallRowsLinear]]:
+    if isinstance(model, SmallRowsLinear):
+        return [("", model)]
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, SmallRowsLinear)]
 
 
 def is_applied(model: torch.nn.Module) -> bool:
-    return any(hasattr(m, "_assistgen_max_rows") for m in _linears(model))
+    return bool(_swapped(model))
 
 
 def applied_routes(model: torch.nn.Module) -> list[str] | None:
     """The route table the small-row transform runs with (index = row count), or None when not applied."""
-    for m in _linears(model):
-        if hasattr(m, "_assistgen_routes"):
-            return list(m._assistgen_routes)
-    return None
+    swapped = _swapped(model)
+    return list(swapped[0][1].routes) if swapped else None
 
 
 def small_rows_linear(
-    model: torch.nn.Module, mode: str = "auto", max_rows: int = DEFAULT_MAX_ROWS, routes="mkl"
+    model: torch.nn.Module, mode: str = "auto", max_rows: int = DEFAULT_MAX_ROWS, routes="mkl",
+    padded: list[int] | None = None,
 ) -> bool:
-    """Apply the small-row routes to every nn.Linear in `model`; returns whether it was applied.
-
-    routes: "mkl" or "onednn" for every row count, or a list giving the route for 0..max_rows rows
-    (as `costs.tune_routes` measures it on the whole model).
-    """
-    linears = _linears(model)
-    if not linears:
+    """Swap every nn.Linear in `model` for a `SmallRowsLinear` (or give swapped ones a new table); returns
+    whether the transform is on. routes: "mkl" or "onednn" for every row count, or a list giving the route
+    for 0..max_rows rows; padded: the row count each one runs as (default: itself)."""
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    swapped = _swapped(model)
+    if not linears and not swapped:
         return False
-    if mode == "auto" and not measures_faster(max(linears, key=lambda m: m.weight.numel())):
+    if mode == "auto" and not swapped and not measures_faster(max((m for _, m in linears),
+                                                                  key=lambda m: m.weight.numel())):
         return False
     table = [routes] * (max_rows + 1) if isinstance(routes, str) else list(routes)
-    if len(table) != max_rows + 1 or any(r not in ("mkl", "onednn") for r in table):
+    if len(table) != max_rows + 1 or any(r not in ROUTES for r in table):
         raise ValueError(f"routes must be 'mkl', 'onednn' or a list of {max_rows + 1} of them")
-    for m in linears:
-        packed = None
-        if "onednn" in table:  # a layer packed by an earlier call keeps its copy (remove_small_rows_linear drops it)
-            earlier = getattr(m, "_assistgen_packed", None)
-            packed = earlier.tensor if earlier is not None and earlier.tensor is not None else pack(m.weight)
-        m._assistgen_max_rows = max_rows
-        m._assistgen_routes = table if packed is not None else ["mkl"] * (max_rows + 1)
-        m._assistgen_packed = PackedWeight(packed)
-        m.forward = types.MethodType(_small_rows_forward, m)
+    padded = list(padded) if padded is not None else list(range(max_rows + 1))
+    if len(padded) != max_rows + 1 or any(not n <= p <= max_rows for n, p in enumerate(padded)):
+        raise ValueError(f"padded must give a row count n..{max_rows} for each n = 0..{max_rows}")
+    for _, m in swapped:  # a layer packed by an earlier call keeps its copy
+        m.routes, m.padded, m.max_rows = table, padded, max_rows
+    for name, m in linears:
+        packed = PackedWeight(pack(m.weight) if "onednn" in table else None)
+        new = SmallRowsLinear(m, table, padded, packed)
+        if not name:
+            raise ValueError("small_rows_linear swaps the linears inside a model; wrap a lone layer in a module")
+        _set(model, name, new)
     return True
 
 
-def remove_small_rows_linear(model: torch.nn.Module, keep_packed: bool = False) -> None:
-    """Back to `F.linear`; `keep_packed` keeps the packed weights for a later re-apply (not their memory back)."""
-    attrs = ["_assistgen_max_rows", "_assistgen_routes", "forward"] + ([] if keep_packed else ["_assistgen_packed"])
-    for m in _linears(model):
-        if hasattr(m, "_assistgen_max_rows"):
-            for attr in attrs:
-                if attr in m.__dict__:
-                    delattr(m, attr)
+def remove_small_rows_linear(model: torch.nn.Module) -> list[tuple[str, SmallRowsLinear]]:
+    """Back to `nn.Linear` on the same tensors; returns the swapped-out modules (with their packed weights),
+    which `restore_small_rows_linear` puts back."""
+    swapped = _swapped(model)
+    for name, m in swapped:
+        _set(model, name, m.as_linear())
+    return swapped
+
+
+def restore_small_rows_linear(model: torch.nn.Module, swapped: list[tuple[str, SmallRowsLinear]]) -> None:
+    for name, m in swapped:
+        _set(model, name, m)
 
 
 ATTENTION = "assistgen_sdpa"
@@ -244,23 +286,22 @@ def grouped_attention_applied(model: torch.nn.Module) -> str | None:
 
 class untransformed:
     """Context manager: the models run as PyTorch and transformers ship them (no small-row linear
-    routes, transformers' own attention), e.g. to time transformers' `generate()`; on exit the
-    transforms come back with the same routes and packed weights."""
+    routes, transformers' own attention), e.g. to time transformers' `generate()`; on exit the very
+    same transformed modules (routes, packed weights) and attention come back."""
 
     def __init__(self, *models: torch.nn.Module):
-        self.linear = [(m, routes) for m in models if (routes := applied_routes(m))]
+        self.models = models
         self.attention = [(m, grouped_attention_applied(m)) for m in models if grouped_attention_applied(m)]
 
     def __enter__(self):
-        for m, _ in self.linear:
-            remove_small_rows_linear(m, keep_packed=True)
+        self.linear = [(m, remove_small_rows_linear(m)) for m in self.models]
         for m, _ in self.attention:
             remove_grouped_query_attention(m)
         return self
 
     def __exit__(self, *exc):
-        for m, routes in self.linear:
-            small_rows_linear(m, mode="on", max_rows=len(routes) - 1, routes=routes)
+        for m, swapped in self.linear:
+            restore_small_rows_linear(m, swapped)
         for m, name in self.attention:
             grouped_query_attention(m, row_independent=name == ROW_ATTENTION)
 
@@ -297,3 +338,63 @@ def measures_faster(layer: torch.nn.Linear, rows: int = 4, repeats: int = 5) -> 
     plain = best(lambda: F.linear(x, layer.weight, layer.bias))
     small = best(lambda: (layer.weight @ x.T).T)
     return small < 0.95 * plain
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# route tuning: measured once per model and machine, cached
+
+
+def routes_path(model) -> object:
+    from assistgen.timing import machine
+
+    parts = [model.cache_key or model.name, str(sum(p.numel() for p in model.hf.parameters())), *machine(),
+             f"attention={grouped_attention_applied(model.hf)}", "routes=v3"]
+    key = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+    return cache_root() / "routes" / f"{safe_name(model.cache_key or model.name)}-{key}.json"
+
+
+def tune_routes(model, refresh: bool = False) -> dict | None:
+    """Give the transformed model's linears the fastest route (and padding) per row count: from memory,
+    from disk, or measured now by timing the whole model on each route (and saved). Returns the record."""
+    from assistgen.timing import step_times
+
+    if not is_applied(model.hf):
+        return None
+    path = routes_path(model) if model.cache_key else None
+    memo = getattr(model.hf, "_assistgen_routes", None)
+    record = None if refresh else memo
+    if record is None and path is not None and path.exists() and not refresh:
+        try:
+            record = json.loads(path.read_text())
+            record["routes"], record["padded"]  # noqa: B018 - a file without them is measured again
+        except (OSError, ValueError, KeyError):
+            record = None
+    if record is None:
+        by_route = {}
+        for route in ROUTES:
+            small_rows_linear(model.hf, mode="on", routes=route)
+            by_route[route] = step_times(model, repeats=2)
+        routes, padded = route_table(by_route)
+        record = {"model": model.name, "measured": time.strftime("%Y-%m-%d %H:%M"), "routes": routes,
+                  "padded": padded, "step_seconds": {r: [round(t, 5) for t in ts] for r, ts in by_route.items()}}
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(record))
+    small_rows_linear(model.hf, mode="on", routes=record["routes"], padded=record["padded"])
+    model.hf._assistgen_routes = record
+    return record
+
+
+def route_table(by_route: dict[str, list[float]], max_rows: int = DEFAULT_MAX_ROWS) -> tuple[list[str], list[int]]:
+    """(route per row count, row count each runs as), index = rows 0..max_rows, from whole-model step times
+    by_route[route][n] for n+1 rows. A row count runs padded to a larger measured one where that is at least
+    3% faster; ties go to MKL; rows beyond the measured ones keep the last route, unpadded."""
+    measured = len(next(iter(by_route.values())))
+    best = [min(ROUTES, key=lambda r: by_route[r][n - 1]) for n in range(1, measured + 1)]  # best[n-1]: n rows
+    cost = [by_route[best[n - 1]][n - 1] for n in range(1, measured + 1)]
+    routes, padded = ["mkl"] + best + [best[-1]] * (max_rows - measured), list(range(max_rows + 1))
+    for n in range(1, measured + 1):
+        m = min(range(n, measured + 1), key=lambda m: cost[m - 1])
+        if cost[m - 1] < PAD_GAIN * cost[n - 1]:
+            padded[n] = m
+    return routes, padded

@@ -1,0 +1,74 @@
+"""Timing a model: the one clock and the step-time measurement that route tuning and the cost model share.
+
+Contract: `clock(device)` reads a monotonic clock after the device has finished its queued work (a
+GPU runs asynchronously, so an unsynchronized clock would time kernel launches); `step_times(model)`
+returns the seconds of one forward pass over n = 1..max_k+1 new tokens after a short context;
+`machine()` names this machine's set-up for cache keys. It knows nothing about policies or routes.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import time
+
+import torch
+
+
+def clock(device: torch.device | str | None = None) -> float:
+    """Seconds on a monotonic clock, once `device`'s queued work is done."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def model_device(model) -> torch.device:
+    """The device of a model's first parameter or buffer: the one home of 'where does it run'."""
+    for tensor in model.hf.parameters():
+        return tensor.device
+    for tensor in model.hf.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+@torch.inference_mode()
+def step_times(model, max_k: int = 16, context: int = 128, repeats: int = 3) -> list[float]:
+    """Seconds of one forward over n = 1..max_k+1 new tokens after `context` tokens (best of `repeats`)."""
+    from assistgen.cache import KVCache
+
+    device = model_device(model)
+    vocab = min(model.vocab_size, len(model.tokenizer))
+    limit = model.context_length or context + max_k + 1
+    context = max(1, min(context, limit - max_k - 2))
+    ids = torch.randint(3, vocab, (context + max_k + 1,), generator=torch.Generator().manual_seed(0)).tolist()
+    cache = KVCache(model.hf)
+    cache.feed(ids[:context])
+    times = []
+    for k in range(max_k + 1):
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first run warms up
+            start = clock(device)
+            cache.feed(ids[context : context + k + 1], logits_to_keep=k + 1)
+            best = min(best, clock(device) - start)
+            cache.crop(context)
+        times.append(best)
+    return times
+
+
+def machine() -> list[str]:
+    """What makes timings on this machine differ from another's: software versions, processor, threads."""
+    from transformers import __version__ as transformers_version
+
+    return [torch.__version__, transformers_version, platform.machine(), _cpu_name(), str(torch.get_num_threads())]
+
+
+@functools.cache
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
