@@ -276,7 +276,8 @@ def _source(spec: str) -> _Source:
         if not (folder / "config.json").exists():
             raise ModelLoadError(f"{folder} is not a model folder (no config.json).")
         stamp = f"{folder.resolve()}|{(folder / 'config.json').stat().st_mtime_ns}"
-        return _Source(spec, f"{safe_name(folder.name)}-{hashlib.sha256(stamp.encode()).hexdigest()[:12]}", folder=folder)
+        digest = hashlib.sha256(stamp.encode()).hexdigest()[:12]
+        return _Source(spec, f"{safe_name(folder.name)}-{digest}", folder=folder)
     return _Source(spec, safe_name(spec.replace("/", "--")), hub=spec)
 
 
