@@ -328,19 +328,22 @@ class Adaptive:
 
 
 def cost_hint(part, target) -> float | None:
-    """A drafter's cost per token before it is measured: its model's share of the target's parameters.
+    """A drafter's cost per token before it is measured: its model's share of the target's weight bytes
+    (parameters and buffers, so that quantized weights, held as buffers, count as what they are).
 
     None for a drafter without a model (prompt lookup, the n-gram cache).
     """
     model = getattr(part, "model", None)
     if model is None:
         return None
+
+    def weight_bytes(hf) -> int:
+        return sum(t.numel() * t.element_size() for t in (*hf.parameters(), *hf.buffers()))
+
     try:
-        mine = sum(p.numel() for p in model.hf.parameters())
-        theirs = sum(p.numel() for p in target.hf.parameters())
+        return weight_bytes(model.hf) / max(1, weight_bytes(target.hf))
     except AttributeError:
         return 1.0  # a model we cannot size: assume it costs as much as the target
-    return mine / max(1, theirs)
 
 
 def parse_schedule(text: str):
