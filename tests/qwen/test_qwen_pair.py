@@ -37,8 +37,11 @@ def test_every_drafter_gives_plain_decodings_tokens(pair, text):
     target, draft, smol = pair
     ids = encode_prompt(target, text, chat=True)
     plain = generate(target, ids, max_new_tokens=64).token_ids
-    for kwargs in ({"lookup": True}, {"assistant": draft}, {"assistant": draft, "schedule": "constant:3"},
-                   {"assistant": smol, "schedule": "constant:3"}):
+    cases = [({"lookup": True}, True),
+             ({"assistant": draft}, False),  # the adaptive policy may keep the 0.5B off (it does with int4)
+             ({"assistant": draft, "schedule": "constant:3"}, True),
+             ({"assistant": smol, "schedule": "constant:3"}, True)]
+    for kwargs, must_draft in cases:
         out = generate(target, ids, max_new_tokens=64, **kwargs)
-        assert out.stats.drafted_tokens > 0, kwargs
+        assert out.stats.drafted_tokens > 0 or not must_draft, kwargs
         assert out.token_ids == plain, kwargs
