@@ -17,12 +17,15 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
-from assistgen.models import Model
 from assistgen.paths import cache_root, safe_name
 from assistgen.timing import machine, step_times
+
+if TYPE_CHECKING:
+    from assistgen.models import Model
 
 MAX_K = 16  # costs are measured for k = 0..MAX_K draft tokens
 

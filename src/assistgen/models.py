@@ -198,7 +198,8 @@ def load_model(
     `quantize` ("int8" | "int4" | None): weight-only quantization (`assistgen.quantize`); the quantized
     model is cached on disk, so later loads read it directly and never hold float weights.
     Then the explicit optimization step `assistgen.transforms.optimize` runs unless `fast_linear` is
-    False ("auto": the small-row routes only where they measure faster).
+    False ("auto": the small-row routes only where they measure faster), and the cost curve the
+    adaptive policy reads is measured (once per machine, cached) so that no request pays for it.
     """
     from assistgen.quantize import check_scheme, is_saved, load_quantized, save_quantized
     from assistgen.quantize import quantize as quantize_model
@@ -227,9 +228,11 @@ def load_model(
     model.cache_key = f"{spec}-{str(dtype).removeprefix('torch.')}-{device}" + (f"-{scheme}" if scheme else "")
     model.quantization = scheme
     if fast_linear:
+        from assistgen.costs import verification_costs
         from assistgen.transforms import optimize
 
         optimize(model, mode="auto" if fast_linear == "auto" else "on")
+        verification_costs(model)  # the policy's cost curve, measured once per machine (cached), not mid-request
     return model
 
 
