@@ -14,15 +14,13 @@ schedule, not here. The policy reads this module; loading and transforms do not.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from typing import TYPE_CHECKING
 
 import torch
 
-from assistgen.paths import cache_root, safe_name
-from assistgen.timing import machine, step_times
+from assistgen.timing import measurement_key, measurement_path, step_times
 
 if TYPE_CHECKING:
     from assistgen.models import Model
@@ -30,23 +28,22 @@ if TYPE_CHECKING:
 MAX_K = 16  # costs are measured for k = 0..MAX_K draft tokens
 
 
-def fingerprint(model: Model) -> str:
+def _set_up(model: Model) -> tuple[str, ...]:
+    """What the curve depends on beyond the model and machine: quantization, linear routes, attention."""
     from assistgen.transforms import applied_routes, grouped_attention_applied
 
     route = getattr(model.hf, "_assistgen_routes", None)
-    parts = [
-        model.cache_key or model.name,
-        str(sum(p.numel() for p in model.hf.parameters())),
-        *machine(),
-        f"quantization={getattr(model, 'quantization', None)}",
-        f"routes={applied_routes(model.hf)}|{route.get('padded') if route else None}",
-        f"attention={grouped_attention_applied(model.hf)}",
-    ]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+    return (f"quantization={getattr(model, 'quantization', None)}",
+            f"routes={applied_routes(model.hf)}|{route.get('padded') if route else None}",
+            f"attention={grouped_attention_applied(model.hf)}")
+
+
+def fingerprint(model: Model) -> str:
+    return measurement_key(model, *_set_up(model))
 
 
 def costs_path(model: Model):
-    return cache_root() / "costs" / f"{safe_name(model.cache_key or model.name)}-{fingerprint(model)}.json"
+    return measurement_path("costs", model, *_set_up(model))
 
 
 def verification_costs(model: Model, refresh: bool = False) -> list[float]:

@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from assistgen.transforms import replace_module
+
 SCHEMES = ("int8", "int4")
 KERNEL_ROWS = 128  # rows up to which the row-independent kernels run (every decoding and verification step);
 # above, dequantizing the layer once and one bf16 product is faster (int4, 8960x1536: 16 ms the kernel and 19 ms
@@ -204,12 +206,13 @@ class Int4Linear(QuantizedLinear):
 class Int8Embedding(torch.nn.Module):
     """Token embedding from int8 rows with one scale per token, times `embed_scale` where the model has one."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx=None, embed_scale=None, device=None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx=None, embed_scale=None, device=None,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         self.register_buffer("weight", torch.empty(num_embeddings, embedding_dim, dtype=torch.int8, device=device))
         self.register_buffer("scales", torch.empty(num_embeddings, dtype=COMPUTE, device=device))
-        self.dtype = torch.float32
+        self.dtype = dtype  # what it returns: the model's activations
         self.embed_scale = embed_scale  # a float or None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., dim]
@@ -260,20 +263,13 @@ def plan(hf: torch.nn.Module, scheme: str) -> dict[str, dict]:
     return specs
 
 
-def _set(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, child, module)
-
-
 def _empty_module(spec: dict, shape: tuple[int, int], dtype: torch.dtype, device) -> torch.nn.Module:
     out_f, in_f = shape
     if spec["kind"] == "int8":
         return Int8Linear(in_f, out_f, spec["bias"], device=device)
     if spec["kind"] == "int4":
         return Int4Linear(in_f, out_f, spec["bias"], group=spec["group"], device=device)
-    m = Int8Embedding(out_f, in_f, embed_scale=spec["embed_scale"], device=device)
-    m.dtype = dtype
-    return m
+    return Int8Embedding(out_f, in_f, embed_scale=spec["embed_scale"], device=device, dtype=dtype)
 
 
 def _tied(hf: torch.nn.Module) -> bool:
@@ -302,7 +298,7 @@ def quantize(hf: torch.nn.Module, scheme: str) -> torch.nn.Module:
             new.weight, new.scales = int8_rows(old.weight)
         if spec["kind"] != "embedding" and old.bias is not None:
             new.bias = old.bias.detach().clone()
-        _set(hf, name, new)
+        replace_module(hf, name, new)
         del old
     hf._assistgen_quantized = scheme
     hf._assistgen_specs = specs
@@ -369,7 +365,7 @@ def load_quantized(folder: Path, dtype: torch.dtype = torch.float32):
         hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
     for name, spec in meta["specs"].items():
         old = hf.get_submodule(name)
-        _set(hf, name, _empty_module(spec, tuple(old.weight.shape), dtype, "meta"))
+        replace_module(hf, name, _empty_module(spec, tuple(old.weight.shape), dtype, "meta"))
     state = torch.load(folder / WEIGHTS, mmap=True, weights_only=True)
     hf.load_state_dict(state, strict=True, assign=True)
     left = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.device.type == "meta"]

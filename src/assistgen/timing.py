@@ -3,16 +3,20 @@
 Contract: `clock(device)` reads a monotonic clock after the device has finished its queued work (a
 GPU runs asynchronously, so an unsynchronized clock would time kernel launches); `step_times(model)`
 returns the seconds of one forward pass over n = 1..max_k+1 new tokens after a short context;
-`machine()` names this machine's set-up for cache keys. It knows nothing about policies or routes.
+`machine()` names this machine's set-up, and `measurement_path` is where a measurement of a model on
+it is cached. It knows nothing about policies or routes.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import platform
 import time
 
 import torch
+
+from assistgen.paths import cache_root, safe_name
 
 
 def clock(device: torch.device | str | None = None) -> float:
@@ -60,6 +64,18 @@ def machine() -> list[str]:
     from transformers import __version__ as transformers_version
 
     return [torch.__version__, transformers_version, platform.machine(), _cpu_name(), str(torch.get_num_threads())]
+
+
+def measurement_key(model, *extra: str) -> str:
+    """A fingerprint of a model on this machine: its identity, size and software set-up, plus `extra`."""
+    parts = [model.cache_key or model.name, str(sum(p.numel() for p in model.hf.parameters())), *machine(), *extra]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def measurement_path(kind: str, model, *extra: str):
+    """Where a measurement of `kind` ("costs", "routes") of this model on this machine is cached."""
+    name = safe_name(model.cache_key or model.name)
+    return cache_root() / kind / f"{name}-{measurement_key(model, *extra)}.json"
 
 
 @functools.cache

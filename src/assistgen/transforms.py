@@ -37,14 +37,11 @@ call instead, so that a verification step computes each row exactly as plain dec
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 
 import torch
 import torch.nn.functional as F
-
-from assistgen.paths import cache_root, safe_name
 
 DEFAULT_MAX_ROWS = 32
 ROUTES = ("mkl", "onednn")
@@ -124,7 +121,8 @@ class SmallRowsLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, small-row routes"
 
 
-def _set(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+def replace_module(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    """Put `module` where `root.get_submodule(name)` is: the one way a transform swaps a layer."""
     parent, _, child = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, child, module)
 
@@ -172,7 +170,7 @@ def small_rows_linear(
         new = SmallRowsLinear(m, table, padded, packed)
         if not name:
             raise ValueError("small_rows_linear swaps the linears inside a model; wrap a lone layer in a module")
-        _set(model, name, new)
+        replace_module(model, name, new)
     return True
 
 
@@ -181,13 +179,13 @@ def remove_small_rows_linear(model: torch.nn.Module) -> list[tuple[str, SmallRow
     which `restore_small_rows_linear` puts back."""
     swapped = _swapped(model)
     for name, m in swapped:
-        _set(model, name, m.as_linear())
+        replace_module(model, name, m.as_linear())
     return swapped
 
 
 def restore_small_rows_linear(model: torch.nn.Module, swapped: list[tuple[str, SmallRowsLinear]]) -> None:
     for name, m in swapped:
-        _set(model, name, m)
+        replace_module(model, name, m)
 
 
 ATTENTION = "assistgen_sdpa"
@@ -344,13 +342,10 @@ def measures_faster(layer: torch.nn.Linear, rows: int = 4, repeats: int = 5) -> 
 # route tuning: measured once per model and machine, cached
 
 
-def routes_path(model) -> object:
-    from assistgen.timing import machine
+def routes_path(model):
+    from assistgen.timing import measurement_path
 
-    parts = [model.cache_key or model.name, str(sum(p.numel() for p in model.hf.parameters())), *machine(),
-             f"attention={grouped_attention_applied(model.hf)}", "routes=v3"]
-    key = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-    return cache_root() / "routes" / f"{safe_name(model.cache_key or model.name)}-{key}.json"
+    return measurement_path("routes", model, f"attention={grouped_attention_applied(model.hf)}", "routes=v3")
 
 
 def tune_routes(model, refresh: bool = False) -> dict | None:
