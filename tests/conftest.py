@@ -101,6 +101,15 @@ def naive_greedy(model: Model, ids: list[int], n: int) -> list[int]:
     return seq[len(ids):]
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tests that run thousands of tiny-model steps: one thread avoids paying for thread start-up each time."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     from assistgen.models import load_model

@@ -20,6 +20,7 @@ class Stats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     accept_histogram: list[int] = field(default_factory=list)  # [k+1]: steps that accepted 0..k draft tokens
+    position_checks: list[int] = field(default_factory=list)  # [k]: steps whose target judged draft position i+1
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -35,6 +36,11 @@ class Stats:
         if len(self.accept_histogram) <= drafted:
             self.accept_histogram.extend([0] * (drafted + 1 - len(self.accept_histogram)))
         self.accept_histogram[accepted] += 1
+        judged = min(drafted, accepted + 1)  # positions 1..accepted were accepted, the next one (if any) rejected
+        if len(self.position_checks) < judged:
+            self.position_checks.extend([0] * (judged - len(self.position_checks)))
+        for i in range(judged):
+            self.position_checks[i] += 1
 
     @property
     def acceptance_rate(self) -> float:

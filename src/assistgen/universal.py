@@ -225,9 +225,11 @@ class UniversalDrafter:
             if total <= 0:
                 break
             q_a = q_a / total
-            j = sampler.draw(q_a)
-            if float(q_a[j]) < min_confidence:
+            # Decide to stop on q alone, before drawing: a stop that looked at the drawn token would make
+            # the proposal distribution differ from q, and min(1, p/q) would no longer yield p.
+            if float(q_a.max()) < min_confidence:
                 break
+            j = sampler.draw(q_a)
             q = torch.zeros(self.target_vocab)  # [target vocab], zero outside the intersection
             q[t_ids] = q_a
             tokens.append(int(t_ids[j]))
