@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
 from assistgen import Constant, generate
-from assistgen.universal import TextBridge, VocabIntersection, strip_partial, token_bytes
+from assistgen.universal import AssistantContext, TextBridge, VocabIntersection, strip_partial, token_bytes
 
 PAIRS = {
     "bpe-target/sp-assistant": (byte_bpe, sentencepiece_bpe),
@@ -103,6 +103,58 @@ def test_partial_character_is_held_back_both_ways():
     rocket = sp(" 🚀", add_special_tokens=False)["input_ids"]
     assert bridge.draft_text(a_ctx, rocket) == " 🚀"
     assert bridge.draft_text(a_ctx, rocket[:-1]) in ("", " ")
+
+
+class Counting:
+    """A tokenizer that records how many characters it encodes and how many tokens it decodes per call."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.encoded, self.decoded = tokenizer, [], []
+
+    def __call__(self, text, **kwargs):
+        self.encoded.append(len(text))
+        return self.tokenizer(text, **kwargs)
+
+    def decode(self, ids, **kwargs):
+        self.decoded.append(len(ids))
+        return self.tokenizer.decode(ids, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_assistant_context_grows_at_bounded_cost_and_spells_the_same_text(pair):
+    """Fed a growing sequence token by token, the incremental context spells exactly the text the whole
+    re-encoding spells, while each call decodes and encodes only a bounded tail."""
+    make_target, make_assistant = PAIRS[pair]
+    target, assistant = Counting(make_target()), Counting(make_assistant())
+    text = " ".join(HARD_TEXTS.values()) * 3
+    ids = target.tokenizer(text)["input_ids"]
+    bridge = TextBridge(target, assistant)
+    context = AssistantContext(bridge, tail_chars=24)
+    for n in range(1, len(ids) + 1):
+        target.decoded.clear(), assistant.encoded.clear()
+        got = context(ids[:n])
+        work = (max(target.decoded, default=0), max(assistant.encoded, default=0))
+        want = TextBridge(target.tokenizer, assistant.tokenizer).to_assistant(ids[:n])
+        spell = lambda a: assistant.tokenizer.decode(a, skip_special_tokens=True)  # noqa: E731
+        if target.tokenizer.decode(ids[:n]).endswith("\ufffd"):  # a byte-fallback decode spoils a whole run of
+            assert spell(got).startswith(spell(want)), f"after {n} tokens"  # bytes: the full decode may drop more
+        else:
+            assert spell(got) == spell(want), f"after {n} tokens"
+        if n > 1:
+            assert work[0] <= 16, f"decoded {work[0]} target tokens for one new token"
+            assert work[1] <= 3 * 24 + 16, f"encoded {work[1]} characters for one new token"
+    assert context.cut > 0 and context.frozen  # the cut moved: most of the text was encoded once
+
+
+def test_to_target_decodes_a_bounded_tail():
+    tok = Counting(byte_bpe())
+    bridge = TextBridge(tok, tok.tokenizer)
+    ids = tok.tokenizer(" ".join(HARD_TEXTS.values()) * 4)["input_ids"]
+    assert bridge.to_target(ids, " the end")
+    assert max(tok.decoded) <= 5 * bridge.look_behind + 8 < len(ids)
 
 
 def test_bos_inside_the_window_is_not_added_again():

@@ -6,7 +6,10 @@ the two tokenizations through text.
 
 - Target -> assistant: the target's text (special tokens left out) is encoded with the assistant
   tokenizer; the assistant's cache is cropped to the prefix it shares with that encoding and fed
-  only what it has not seen, so unconfirmed draft tokens are discarded.
+  only what it has not seen, so unconfirmed draft tokens are discarded. `AssistantContext` does this
+  incrementally (decoding only new target tokens, re-encoding only a bounded tail of the text), and
+  `TextBridge.to_target` decodes only a bounded tail of the target's tokens, so a drafting step
+  costs the same on a 1,000-word prompt as on a 10-word one.
 - Assistant -> target (greedy, string-level): the draft is decoded to text and re-encoded with the
   target tokenizer together with a look-behind window of the target's last tokens, so that merges
   across the boundary come out right; the re-encoding is aligned with the window to find where the
@@ -150,14 +153,17 @@ class TextBridge:
         """Target tokens that continue `ids` with `new_text`, aligned through a look-behind window.
 
         The last few target tokens are decoded, `new_text` appended, and the whole re-encoded; where the
-        re-encoding reproduces the window token for token, what follows it is the continuation.
+        re-encoding reproduces the window token for token, what follows it is the continuation. Only a
+        bounded tail of `ids` is ever decoded, so a step costs the same after 10 or 10,000 tokens.
         """
         if not new_text:
             return []
-        full = strip_partial(self.target.decode(ids, skip_special_tokens=False))
-        first = max(0, len(ids) - self.look_behind)
-        for start in range(first, max(-1, first - 4 * self.look_behind), -1):
-            prefix = self.target.decode(ids[:start], skip_special_tokens=False)
+        base = max(0, len(ids) - 5 * self.look_behind - 4)  # every window below starts at or after it
+        tail = ids[base:]
+        full = strip_partial(self.target.decode(tail, skip_special_tokens=False))
+        first = max(base, len(ids) - self.look_behind)
+        for start in range(first, max(base - 1, first - 4 * self.look_behind), -1):
+            prefix = self.target.decode(ids[base:start], skip_special_tokens=False)
             if prefix.endswith("\ufffd") or not full.startswith(prefix):
                 continue  # the window must start on a character boundary
             window = ids[start:]
@@ -167,8 +173,71 @@ class TextBridge:
         # No window re-encodes to the target's own tokens (the new text merges with the last one):
         # encode the new text alone, and keep it only if it spells exactly that text after `ids`.
         alone = list(self.target(new_text, add_special_tokens=False)["input_ids"])
-        spelled = strip_partial(self.target.decode(ids + alone, skip_special_tokens=False))
+        spelled = strip_partial(self.target.decode(tail + alone, skip_special_tokens=False))
         return alone if spelled == full + strip_partial(new_text) else []
+
+
+class AssistantContext:
+    """The assistant's tokens for a growing target sequence, at a cost bounded by the new text, not the whole.
+
+    The target's text is decoded incrementally (only tokens after the last complete character, with a few
+    tokens before them so that leading-space rules come out as in the whole decode). The text before `cut`
+    is encoded once and frozen; each call encodes only the text after it, and the cut moves forward to a
+    space once more than 2 * `tail_chars` characters follow it. The assistant may so see a tokenization
+    that differs from its own encoding of the whole text at a cut; drafts are still verified by the
+    target, so only their quality could change, not the output.
+    """
+
+    def __init__(self, bridge: TextBridge, tail_chars: int = 256):
+        self.bridge = bridge
+        self.tail_chars = tail_chars
+        self.reset()
+
+    def reset(self) -> None:
+        self.ids: list[int] = []  # target tokens whose text is in self.text (ending on a complete character)
+        self.text = ""
+        self.frozen: list[int] = []  # assistant tokens of text[:cut]
+        self.cut = 0
+
+    def __call__(self, ids: list[int]) -> list[int]:
+        text = self.target_text(ids)
+        encode = self.bridge.assistant
+        tail = list(encode(text[self.cut :], add_special_tokens=not self.frozen)["input_ids"]) if text else []
+        context = self.frozen + tail
+        if len(text) - self.cut > 2 * self.tail_chars:
+            self.freeze(text)
+        return context
+
+    def target_text(self, ids: list[int]) -> str:
+        """The target's text of `ids` (special tokens left out, a trailing partial character held back)."""
+        decode = self.bridge.target.decode
+        n = len(self.ids)
+        if n > len(ids) or ids[:n] != self.ids:  # not a continuation of what was decoded: start over
+            self.reset()
+            n = 0
+        if n == len(ids):
+            return self.text
+        start = max(0, n - 4)
+        head = decode(ids[start:n], skip_special_tokens=True)
+        whole = decode(ids[start:], skip_special_tokens=True)
+        if not whole.startswith(head):
+            if whole.endswith("\ufffd"):  # byte-fallback decoders spoil a run of bytes until its last one comes
+                return self.text
+            self.reset()  # a decoder that rewrites earlier text: decode everything
+            head, whole = "", decode(ids, skip_special_tokens=True)
+        new = whole[len(head) :]
+        if new.endswith("\ufffd"):
+            return self.text + strip_partial(new)  # wait for the character's other bytes before committing
+        self.ids, self.text = list(ids), self.text + new
+        return self.text
+
+    def freeze(self, text: str) -> None:
+        """Encode the text up to a space about `tail_chars` before the end once, and keep those tokens."""
+        limit = len(text) - self.tail_chars
+        cut = max(text.rfind(" ", self.cut + 1, limit), text.rfind("\n", self.cut + 1, limit))
+        cut = cut if cut > self.cut else limit
+        self.frozen += self.bridge.assistant(text[self.cut : cut], add_special_tokens=not self.frozen)["input_ids"]
+        self.cut = cut
 
 
 class UniversalDrafter:
@@ -180,6 +249,7 @@ class UniversalDrafter:
         self.model = assistant
         self.cache = KVCache(assistant.hf)
         self.bridge = TextBridge(target.tokenizer, assistant.tokenizer, look_behind)
+        self.context = AssistantContext(self.bridge)
         self.context_length = assistant.context_length
         self.target_vocab = target.vocab_size
         self._intersection: VocabIntersection | None = None
@@ -192,7 +262,7 @@ class UniversalDrafter:
         return self._intersection
 
     def propose(self, ids: list[int], k: int, sampler: Sampler, min_confidence: float = 0.0) -> Draft:
-        context = self.bridge.to_assistant(ids)
+        context = self.context(ids)
         if not context:
             return Draft()
         pending = self.cache.sync(context)
