@@ -23,7 +23,7 @@ from assistgen.drafters import (
 from assistgen.engine import Chunk
 from assistgen.engine import stream as run_loop
 from assistgen.models import Model, load_model
-from assistgen.schedules import Adaptive, parse_schedule
+from assistgen.schedules import Adaptive, Schedule, parse_schedule
 from assistgen.stats import Stats
 from assistgen.universal import UniversalDrafter
 
@@ -84,13 +84,11 @@ def make_drafter(
 
         parts.append(NGramCacheDrafter(ngram_cache if isinstance(ngram_cache, NGramCache) else shared_cache()))
     if early_exit:
-        from assistgen.costs import verification_costs
         from assistgen.early_exit import EarlyExitDrafter
 
         layers = None if early_exit is True else int(early_exit)
-        costs = verification_costs(target) if layers is None else None
         try:
-            parts.append(EarlyExitDrafter(target, layers=layers, verify_cost=costs))
+            parts.append(EarlyExitDrafter(target, layers=layers))
         except ValueError as e:
             raise ConfigError(f"early exit: {e}") from e
     elif assistant is not None:
@@ -102,10 +100,12 @@ def make_drafter(
 
 def model_drafter(target: Model, assistant: Model | str | Drafter) -> Drafter:
     if hasattr(assistant, "propose") and hasattr(assistant, "observe"):
-        missing = [m for m in ("finish", "report", "name", "context_length") if not hasattr(assistant, m)]
+        needed = ("finish", "report", "name", "context_length", "model", "acceptance_prior")
+        missing = [m for m in needed if not hasattr(assistant, m)]
         if missing:
             raise ConfigError(f"The drafter {type(assistant).__name__} lacks {', '.join(missing)}: a drafter "
-                              "implements propose, observe, finish, report, name and context_length (drafters.py).")
+                              "implements propose, observe, finish, report, name, context_length, model (None "
+                              "without one) and acceptance_prior (None without one) (drafters.py).")
         return assistant
     assistant = as_model(assistant)
     if same_tokenizer(target, assistant):
@@ -135,7 +135,8 @@ def stream(
     `ngram_cache` (True: the process-wide cross-request n-gram cache, or an `NGramCache`), then one
     model: `assistant` (a model, name or drafter; another tokenizer switches to universal mode) or
     `early_exit` (True, or a layer count: the target's own first layers draft). `schedule` defaults
-    to the cost-aware `Adaptive` policy; a schedule object or its CLI form ('constant:4', 'heuristic').
+    to the cost-aware `Adaptive` policy; a schedule (its settings: never changed by a generation, so one
+    object can serve many) or its CLI form ('constant:4', 'heuristic').
     `settings` are the fields of `GenerationConfig`:
     max_new_tokens, temperature, top_k, top_p, seed, stop, eos_token_ids.
     """
@@ -154,17 +155,18 @@ def stream(
     yield from run_loop(target, prompt_ids, drafter, schedule, config)
 
 
-def as_schedule(schedule):
-    """A fresh copy of a schedule object, or one parsed from its CLI form ('constant:4', 'adaptive', ...)."""
+def as_schedule(schedule) -> Schedule:
+    """A schedule object (settings; each generation gets its own run from `prepare`), or one parsed from its
+    CLI form ('constant:4', 'adaptive', ...)."""
     if isinstance(schedule, str):
         try:
             return parse_schedule(schedule)
         except ValueError as e:
             raise ConfigError(str(e)) from e
-    if not callable(getattr(schedule, "fresh", None)):
+    if not callable(getattr(schedule, "prepare", None)):
         raise ConfigError(f"schedule must be a schedule object (assistgen.schedules) or a string such as "
                           f"'constant:4' or 'adaptive', got {type(schedule).__name__}.")
-    return schedule.fresh()
+    return schedule
 
 
 def generate(

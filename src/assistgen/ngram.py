@@ -130,6 +130,8 @@ class NGramCacheDrafter:
 
     name = "ngram-cache"
     context_length = None
+    model = None
+    acceptance_prior = None
 
     def __init__(self, cache: NGramCache | None = None):
         self.cache = cache if cache is not None else shared_cache()
