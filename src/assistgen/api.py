@@ -23,6 +23,7 @@ from assistgen.drafters import (
 from assistgen.engine import Chunk
 from assistgen.engine import stream as run_loop
 from assistgen.models import Model, load_model
+from assistgen.ngram import NGramCache, NGramCacheDrafter, cache_for, shared_cache
 from assistgen.schedules import Adaptive, Schedule, parse_schedule
 from assistgen.stats import Stats
 from assistgen.universal import UniversalDrafter
@@ -71,7 +72,7 @@ def make_drafter(
     assistant: Model | str | Drafter | None = None,
     lookup: bool = False,
     early_exit: bool | int = False,
-    ngram_cache=False,
+    ngram_cache: bool | str | NGramCache | None = False,
 ) -> Drafter:
     """The drafter for these options; several sources compose, cheapest first (lookup, n-gram cache, a model)."""
     if assistant is not None and early_exit:
@@ -79,10 +80,9 @@ def make_drafter(
     parts: list = []
     if lookup:
         parts.append(PromptLookupDrafter())
-    if ngram_cache:
-        from assistgen.ngram import NGramCache, NGramCacheDrafter, shared_cache
-
-        parts.append(NGramCacheDrafter(ngram_cache if isinstance(ngram_cache, NGramCache) else shared_cache()))
+    cache = ngram_cache_of(ngram_cache)
+    if cache is not None:
+        parts.append(NGramCacheDrafter(cache))
     if early_exit:
         from assistgen.early_exit import EarlyExitDrafter
 
@@ -96,6 +96,23 @@ def make_drafter(
     if not parts:
         return NoDrafter()
     return parts[0] if len(parts) == 1 else CompositeDrafter(parts)
+
+
+def ngram_cache_of(ngram_cache) -> NGramCache | None:
+    """The `NGramCache` that `ngram_cache` names: None for False/None, the process-wide shared namespace for
+    True, a namespace's cache for a string (`ngram.cache_for`), or the cache object itself."""
+    if ngram_cache is None or ngram_cache is False:
+        return None
+    if ngram_cache is True:
+        return shared_cache()
+    if isinstance(ngram_cache, str):
+        if not ngram_cache:
+            raise ConfigError("ngram_cache: a namespace must be a non-empty string (e.g. the user's id).")
+        return cache_for(ngram_cache)
+    if isinstance(ngram_cache, NGramCache):
+        return ngram_cache
+    raise ConfigError(f"ngram_cache must be True (the process-wide cache), a namespace string or an NGramCache, "
+                      f"got {type(ngram_cache).__name__}.")
 
 
 def model_drafter(target: Model, assistant: Model | str | Drafter) -> Drafter:
@@ -126,13 +143,15 @@ def stream(
     schedule=None,
     chat: bool = False,
     early_exit: bool | int = False,
-    ngram_cache=False,
+    ngram_cache: bool | str | NGramCache | None = False,
     **settings,
 ) -> Iterator[Chunk]:
     """Stream `Chunk`s (tokens and text per verification step); the last one carries the stats.
 
     Drafting sources, cheapest first when several are given: `lookup` (prompt lookup),
-    `ngram_cache` (True: the process-wide cross-request n-gram cache, or an `NGramCache`), then one
+    `ngram_cache` (an n-gram cache that learns across requests: a namespace string, e.g. a user's id, whose
+    cache only requests naming the same namespace share (`ngram.cache_for`); True: the process-wide shared
+    namespace; or an `NGramCache` object), then one
     model: `assistant` (a model, name or drafter; another tokenizer switches to universal mode) or
     `early_exit` (True, or a layer count: the target's own first layers draft). `schedule` defaults
     to the cost-aware `Adaptive` policy; a schedule (its settings: never changed by a generation, so one
@@ -177,7 +196,7 @@ def generate(
     schedule=None,
     chat: bool = False,
     early_exit: bool | int = False,
-    ngram_cache=False,
+    ngram_cache: bool | str | NGramCache | None = False,
     **settings,
 ) -> Generation:
     """Generate a continuation of `prompt`; same arguments as `stream`."""
