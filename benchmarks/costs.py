@@ -1,6 +1,6 @@
 """The target's forward-pass time per number of new tokens, on each linear route, and the cost curve.
 
-For each model: one forward over n = 1..17 new tokens after a context (128 tokens by default),
+For each model: one forward over n = 1..MAX_K+1 (17) new tokens after a context (128 tokens by default),
 with every linear on PyTorch's own `F.linear`, on the small-row MKL route and on the oneDNN
 packed route (all with transformers' SDPA attention); then the faster route per row count (as
 `transforms.tune_routes` picks it) with transformers' attention ("tuned") and with the grouped-query

@@ -1,16 +1,16 @@
 """How fast can prompt lookup be on these outputs at best? The ceiling that acceptance allows.
 
 Reads an `assistgen bench` results file. For every greedy plain record it replays the target's own
-output against the lookup drafter (`drafters.lookup_continuation`, n-grams 3..1, up to 16 tokens)
+output against the lookup drafter (`drafters.lookup_continuation`, n-grams 3..1, up to MAX_K tokens)
 and counts, at each step, how many draft tokens the target would accept (a). Two ceilings follow
 per category, both for the decode phase (after the prefill):
   - free verification: tokens per step, mean(a + 1): the speed-up if verifying were free;
-  - oracle policy: sum(a + 1) / sum(v[a]) with the target's measured verification costs v: a policy
+  - oracle policy: sum(a + 1) / sum(v[a]) with the target's measured verification costs v (`gain.step_cost`): a policy
     that knew in advance how many tokens would be accepted and verified exactly those (0: a plain
     step). No schedule can beat it with this drafter on this machine.
   - replayed schedule: the same replay with the default `Adaptive` policy choosing how many draft
-    tokens to verify (as in the generation loop, with the same costs): the policy's share of the
-    oracle, free of timing noise.
+    tokens to verify (as in the generation loop, with the same costs; the lookup drafter costs nothing,
+    so no timing enters): the policy's share of the oracle.
 Where the file also has lookup records, their measured decode-phase speed-up is set against the
 oracle-policy ceiling. Prints a table and one JSON line.
 
@@ -28,9 +28,8 @@ from assistgen.api import encode_prompt
 from assistgen.bench.dataset import default_suite, read_prompts
 from assistgen.costs import verification_costs
 from assistgen.drafters import Draft, lookup_continuation
+from assistgen.gain import MAX_K, step_cost
 from assistgen.schedules import Adaptive, Step
-
-MAX_K = 16
 
 
 def accepted_lengths(prompt: list[int], output: list[int], max_k: int = MAX_K) -> list[int]:
@@ -48,27 +47,31 @@ def accepted_lengths(prompt: list[int], output: list[int], max_k: int = MAX_K) -
 
 
 class _Lookup:
+    """What the policy reads of a drafter (`drafters.Drafter`): prompt lookup runs no model."""
+
     name = "prompt-lookup"
+    model = None
+    acceptance_prior = None
 
 
 def replay_schedule(schedule, prompt: list[int], output: list[int], costs: list[float]) -> tuple[int, float]:
     """Decode `output` again with lookup drafts and `schedule` choosing what to verify; (tokens, cost in steps)."""
     part = _Lookup()
-    schedule.prepare(None, [part], len(prompt))
+    run = schedule.prepare(None, [part], len(prompt))  # steps carry no timings: lookup costs nothing
     tokens, cost, i = 0, 0.0, 0
     while i < len(output):
         room = len(output) - i - 1
-        k = min(schedule.next_k(part), room)
+        k = min(run.next_k(part), room)
         draft_tokens, n_gram = lookup_continuation(prompt + output[:i], k, 3, 1)
         draft = Draft(draft_tokens, source=f"lookup:{n_gram}")
-        n = min(schedule.trim(draft, part.name, room), room) if draft_tokens else 0
+        n = min(run.trim(draft, part.name, room), room) if draft_tokens else 0
         accepted = 0
         while accepted < n and draft_tokens[accepted] == output[i + accepted]:
             accepted += 1
         token = output[i + accepted]
-        schedule.update(Step(draft if n or draft_tokens else Draft(), part.name if draft_tokens else "", n,
-                             accepted, token, 0.0, costs[n] * 0.05))
-        cost += costs[n]
+        run.update(Step(draft if n or draft_tokens else Draft(), part.name if draft_tokens else "", n, accepted,
+                        token))
+        cost += step_cost(costs, n)
         tokens += accepted + 1
         i += accepted + 1
     return tokens, cost
@@ -105,7 +108,7 @@ def main() -> None:
             row = rows[category]
             row["tokens"] += len(r["tokens"])
             row["steps"] += len(lengths)
-            row["cost"] += sum(costs[a] for a in lengths)
+            row["cost"] += sum(step_cost(costs, a) for a in lengths)
             row["replay_cost"] += replayed[1]
             measured = by.get((r["question_id"], args.method))
             if measured is not None and "prefill_s" in measured and "prefill_s" in r:

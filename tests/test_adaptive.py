@@ -3,14 +3,31 @@
 from __future__ import annotations
 
 import json
+import random
+import time
 
 import pytest
-from conftest import encode, hf_greedy, tiny_llama
+from conftest import SMALL_TOKENIZER, encode, hf_greedy, tiny_llama
 
 import assistgen.costs
-from assistgen import Adaptive, Draft, generate
+from assistgen import (
+    Adaptive,
+    AssistantDrafter,
+    CompositeDrafter,
+    Constant,
+    Draft,
+    EarlyExitDrafter,
+    Heuristic,
+    NGramCache,
+    NGramCacheDrafter,
+    NoDrafter,
+    PromptLookupDrafter,
+    UniversalDrafter,
+    generate,
+)
 from assistgen.costs import verification_costs
-from assistgen.schedules import Acceptance, Step, best_lookahead, expected_gain, expected_tokens, finishing_pays
+from assistgen.gain import MAX_K, best_lookahead, expected_gain, expected_tokens
+from assistgen.schedules import Acceptance, AdaptiveRun, Step, finishing_pays
 
 FLAT = [1.0] * 17  # verification as cheap as one token (the GPU picture)
 LINEAR = [1.0 + k for k in range(17)]  # every verified token costs a full step (no batching gain)
@@ -20,6 +37,8 @@ class Cheap:
     """A drafter part with no model: cost 0, so the policy asks for max_k and trims."""
 
     name = "lookup"
+    model = None
+    acceptance_prior = None
 
 
 class Costly:
@@ -27,6 +46,7 @@ class Costly:
 
     name = "assistant"
     model = object()
+    acceptance_prior = None
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.8, 0.99])
@@ -66,8 +86,7 @@ def step(draft: list[int], part: str, verified: int, accepted: int, token: int, 
 
 
 def test_a_cheap_drafter_is_trimmed_to_zero_when_wrong_and_comes_back_when_right():
-    policy = Adaptive(costs=[1.0 + 0.2 * k for k in range(17)])
-    policy.prepare(None, [Cheap()])
+    policy = Adaptive(costs=[1.0 + 0.2 * k for k in range(17)]).prepare(None, [Cheap()])
     assert policy.next_k(Cheap()) == 16  # free: propose as much as possible, trim afterwards
     for _ in range(20):  # every draft wrong at its first token
         draft = [7] * 16
@@ -84,9 +103,9 @@ def test_a_cheap_drafter_is_trimmed_to_zero_when_wrong_and_comes_back_when_right
 
 
 def test_a_costly_drafter_is_switched_off_probed_and_switched_back_on():
-    policy = Adaptive(costs=[1.0 + 0.1 * k for k in range(17)], drafter_cost_prior=0.3, probe_share=0.05)
     part = Costly()
-    policy.prepare(None, [part])
+    policy = Adaptive(costs=[1.0 + 0.1 * k for k in range(17)], drafter_cost_prior=0.3, probe_share=0.05).prepare(
+        None, [part])
     ks = []
     for _ in range(60):  # drafts are always rejected
         k = policy.next_k(part)
@@ -136,10 +155,9 @@ def test_verification_costs_are_measured_once_and_cached_on_disk(tmp_path, monke
 
 
 def test_a_probe_that_must_catch_up_on_a_long_prompt_waits_longer():
-    short, long = (Adaptive(costs=[1.0 + 0.1 * k for k in range(17)], drafter_cost_prior=0.5, probe_share=0.05)
-                   for _ in range(2))
-    short.prepare(None, [Costly()], prompt_length=10)
-    long.prepare(None, [Costly()], prompt_length=5000)  # a probe would first feed 5000 tokens to the assistant
+    settings = Adaptive(costs=[1.0 + 0.1 * k for k in range(17)], drafter_cost_prior=0.5, probe_share=0.05)
+    short = settings.prepare(None, [Costly()], prompt_length=10)
+    long = settings.prepare(None, [Costly()], prompt_length=5000)  # a probe would first feed 5000 tokens to it
     for policy in (short, long):
         policy.acceptance["assistant"] = Acceptance(0.0, 0.2, 17)  # known useless: switched off
         for _ in range(300):
@@ -149,16 +167,15 @@ def test_a_probe_that_must_catch_up_on_a_long_prompt_waits_longer():
 
 
 def test_a_new_source_starts_from_its_drafters_pooled_estimate():
-    policy = Adaptive(costs=[1.0 + 0.05 * k for k in range(17)])
-    policy.prepare(None, [Cheap()])
+    settings = Adaptive(costs=[1.0 + 0.05 * k for k in range(17)])
+    policy = settings.prepare(None, [Cheap()])
     for _ in range(10):  # lookup:3 drafts are always right
         draft = [5] * 16
         n = policy.trim(Draft(draft, source="lookup:3"), "lookup")
         policy.update(step(draft, "lookup", n, n, token=5, source="lookup:3"))
     assert policy.trim(Draft([5] * 16, source="lookup:3"), "lookup") >= 14
     # A first lookup:1 draft is judged by what lookup has shown so far, not by the 0.5 prior.
-    fresh = Adaptive(costs=policy.costs)
-    fresh.prepare(None, [Cheap()])
+    fresh = settings.prepare(None, [Cheap()])  # a new generation with the same settings: nothing learnt
     assert fresh.trim(Draft([5] * 16, source="lookup:1"), "lookup") < 8
     assert policy.trim(Draft([5] * 16, source="lookup:1"), "lookup") >= 14
 
@@ -168,6 +185,8 @@ class Oracle:
 
     name = "oracle"
     context_length = None
+    model = None
+    acceptance_prior = None
 
     def __init__(self, prompt: list[int], continuation: list[int]):
         self.sequence = prompt + continuation
@@ -203,8 +222,7 @@ def test_no_draft_token_is_verified_past_max_new_tokens():
 
 def test_near_the_end_it_verifies_everything_that_can_finish_the_generation():
     costs = [1.0] * 6 + [1.3] * 11  # up to 5 draft tokens cost one step, 6 or more cost 1.3
-    policy = Adaptive(costs=costs)
-    policy.prepare(None, [Cheap()])
+    policy = Adaptive(costs=costs).prepare(None, [Cheap()])
     for _ in range(10):  # lookup is always right
         policy.update(step([5] * 16, "lookup", 16, 16, token=5))
     draft = Draft([5] * 6, source="lookup")
@@ -223,9 +241,9 @@ def test_unverified_positions_of_a_free_drafter_are_assumed_at_least_the_floor()
     assert rates[0] == pytest.approx(0.5) and min(rates[1:]) == pytest.approx(0.7)
     assert Acceptance(0.5, 0.2, 17).estimate()[1:] == [0.5] * 16  # no floor: the position before
     costs = [1.0 + 0.05 * k for k in range(17)]
-    optimistic, plain = Adaptive(costs=costs), Adaptive(costs=costs, unseen_floor=0.0)
+    optimistic = Adaptive(costs=costs, drafter_cost_prior=0.5).prepare(None, [Cheap(), Costly()])
+    plain = Adaptive(costs=costs, drafter_cost_prior=0.5, unseen_floor=0.0).prepare(None, [Cheap(), Costly()])
     for policy in (optimistic, plain):
-        policy.prepare(None, [Cheap(), Costly()])
         for accepted in (0, 1, 0, 1):  # only first tokens verified so far, half of them right
             policy.estimate("lookup").record(1, accepted)
     assert optimistic.estimate("assistant").unseen_floor == 0.0  # a model drafter pays for every token
@@ -240,3 +258,84 @@ def test_one_lucky_draft_does_not_set_a_rate_to_one():
     for _ in range(30):
         acceptance.record(verified=1, accepted=1)
     assert acceptance.estimate()[0] > 0.99  # and is forgotten at the EMA weight afterwards
+
+
+class Jittery:
+    """An assistant whose speed varies from run to run, as on a busy machine: each proposal sleeps a random time."""
+
+    name = "assistant"
+    acceptance_prior = None
+
+    def __init__(self, inner: AssistantDrafter):
+        self.inner, self.model, self.context_length = inner, inner.model, inner.context_length
+        self.jitter = random.Random()  # unseeded: a different delay on every run
+
+    def propose(self, ids, k, sampler, min_confidence=0.0):
+        time.sleep(self.jitter.uniform(0.0, 0.004))
+        return self.inner.propose(ids, k, sampler, min_confidence)
+
+    def observe(self, num_accepted, target_probs=None):
+        self.inner.observe(num_accepted, target_probs)
+
+    def finish(self, ids):
+        pass
+
+    def report(self):
+        return {}
+
+
+def test_a_sampled_adaptive_generation_depends_on_the_seed_not_on_timings():
+    """With sampling, k decides how many random draws a step takes, so k must not follow the clock:
+    the same seed gives the same text however long drafting takes."""
+    target = tiny_llama(seed=0, layers=2, hidden=32, scale=0.15, tokenizer=SMALL_TOKENIZER)
+    assistant = tiny_llama(seed=3, layers=1, hidden=32, scale=0.15, tokenizer=SMALL_TOKENIZER)
+    prompt = SMALL_TOKENIZER("abcab")["input_ids"]
+    settings = Adaptive(costs=[1.0 + 0.05 * k for k in range(17)], drafter_cost_prior=0.05)
+
+    def sample(seed):
+        return generate(target, prompt, assistant=Jittery(AssistantDrafter(assistant, target)), schedule=settings,
+                        max_new_tokens=40, temperature=1.0, seed=seed, eos_token_ids=())
+
+    first, second, other = sample(7), sample(7), sample(8)
+    assert first.stats.drafted_tokens > 0 and 0 < first.stats.accepted_tokens < first.stats.drafted_tokens
+    assert first.token_ids == second.token_ids
+    assert first.stats.accept_histogram == second.stats.accept_histogram  # the same k, step by step
+    assert other.token_ids != first.token_ids  # the seed does matter
+
+
+def test_a_schedule_is_settings_and_each_generation_gets_its_own_state():
+    settings = Adaptive(costs=[1.0 + 0.05 * k for k in range(17)])
+    before = repr(settings)
+    with pytest.raises(AttributeError):
+        settings.max_k = 3  # frozen
+    first, second = settings.prepare(None, [Cheap()]), settings.prepare(None, [Cheap()])
+    assert isinstance(first, AdaptiveRun) and first is not second and first.acceptance is not second.acceptance
+    first.update(step([5] * 16, "lookup", 16, 16, token=5))
+    assert "lookup" in first.acceptance and "lookup" not in second.acceptance
+    heuristic = Heuristic()
+    one, two = heuristic.prepare(None, []), heuristic.prepare(None, [])
+    one.update(step([5] * 5, "assistant", 5, 5, token=5))
+    assert (one.next_k(), two.next_k()) == (7, 5)
+    assert Constant(3).prepare(None, []) == Constant(3)  # no state: its own run
+
+    target = tiny_llama(seed=0)
+    ids = encode("abc abc abc abc abc")
+    runs = [generate(target, ids, lookup=True, schedule=settings, max_new_tokens=12, eos_token_ids=()).stats
+            for _ in range(2)]
+    assert repr(settings) == before  # the engine never changes a user's settings
+    assert runs[0].notes["acceptance_estimate"] == runs[1].notes["acceptance_estimate"]  # nothing carried over
+    for bad in (lambda: Constant(MAX_K + 1), lambda: Adaptive(max_k=MAX_K + 1), lambda: Heuristic(max_k=MAX_K + 1)):
+        with pytest.raises(ValueError, match="MAX_K"):
+            bad()
+
+
+def test_every_drafter_declares_what_the_policy_reads():
+    target, other = tiny_llama(seed=0, layers=3), tiny_llama(seed=1, tokenizer=SMALL_TOKENIZER)
+    early = EarlyExitDrafter(target, layers=1)
+    drafters = [NoDrafter(), PromptLookupDrafter(), NGramCacheDrafter(NGramCache()), AssistantDrafter(target, target),
+                UniversalDrafter(other, target), early, CompositeDrafter([PromptLookupDrafter(), early])]
+    for drafter in drafters:
+        assert drafter.model is None or drafter.model.hf is not None, type(drafter).__name__
+        assert drafter.acceptance_prior is None or 0.0 <= drafter.acceptance_prior <= 1.0, type(drafter).__name__
+    assert [d.model is None for d in drafters] == [True, True, True, False, False, False, True]
+    assert EarlyExitDrafter(target, calibration_ids=encode("the cat sat on the mat. " * 4)).acceptance_prior is not None

@@ -75,6 +75,25 @@ def test_theoretical_speedup_formula():
     assert oracle_bound(3, [1.0, 1.1, 1.2, 1.6]) == pytest.approx(4 / 1.6)
 
 
+def test_theoretical_speedup_uses_the_measured_cost_curve():
+    curve = [1.0, 1.2, 1.5, 2.0]
+    a, c = 0.6, 0.1
+    assert theoretical_speedup(a, 2, c, curve) == pytest.approx((1 + a + a * a) / (2 * c + 1.5))
+    # a mean lookahead between two integers: the mix of the two with that mean
+    mixed = (0.5 * (1 + a) + 0.5 * (1 + a + a * a)) / (1.5 * c + 0.5 * (1.2 + 1.5))
+    assert theoretical_speedup(a, 1.5, c, curve) == pytest.approx(mixed)
+    assert theoretical_speedup(a, 3.5, c, curve) is None  # beyond the measured curve: unknown
+    record = {"question_id": "q", "category": "copy", "method": "lookup", "temperature": 0.0, "tokens": [1] * 30,
+              "new_tokens": 30, "seconds": 1.0, "prefill_s": 0.1, "target_forward_passes": 11, "steps": 10,
+              "drafted": 20, "accepted": 12, "draft_s": 0.02, "verify_s": 0.5}
+    row = next(r for r in aggregate([record], curve) if r["category"] == "copy")
+    plain_step = 0.05 / 1.5  # a mean verification step (k = 2) costs v[2] = 1.5 plain steps
+    assert row["draft_cost"] == pytest.approx(0.02 / 20 / plain_step)
+    assert row["theoretical_speedup"] == pytest.approx(theoretical_speedup(0.6, 2, row["draft_cost"], curve))
+    free = next(r for r in aggregate([record]) if r["category"] == "copy")  # no curve: verification free
+    assert free["theoretical_speedup"] == pytest.approx(theoretical_speedup(0.6, 2, 0.02 / 20 / 0.05))
+
+
 def test_method_parsing():
     assert parse_method("lookup@constant:4").schedule == "constant:4"
     assert parse_method("hf-assistant").engine == "hf"

@@ -10,7 +10,9 @@ from conftest import TOKENIZER, encode, hf_greedy, naive_greedy, tiny_gemma3, ti
 
 from assistgen import Constant, generate
 from assistgen.cache import KVCache
-from assistgen.early_exit import EarlyExitDrafter, calibrate_exit_layer, truncated_model
+from assistgen.costs import verification_costs
+from assistgen.early_exit import EarlyExitDrafter, best_speedup, calibrate_exit_layer, truncated_model
+from assistgen.gain import MAX_K, expected_gain
 from assistgen.models import Model
 
 ARCHS = {"llama": tiny_llama, "gemma3": tiny_gemma3, "gpt2": tiny_gpt2}
@@ -123,6 +125,16 @@ def test_calibration_picks_a_valid_exit_and_reports_it():
     report = drafter.report()
     assert 1 <= report["early_exit_layers"] < 4 and 0.0 <= report["early_exit_agreement"] <= 1.0
     assert drafter.name == "early-exit"
+
+
+def test_calibration_weighs_the_targets_measured_verification_costs():
+    target = tiny_llama(layers=3)
+    _, table = calibrate_exit_layer(target)
+    measured = verification_costs(target)  # measured once, remembered: the curve calibration used
+    for row in table:
+        assert (row["best_speedup"], row["best_k"]) == best_speedup(row["agreement"], row["cost"], measured)
+    speedup, k = best_speedup(0.9, 0.1, measured)
+    assert 1 <= k <= MAX_K and speedup == max(expected_gain([0.9], j, measured, 0.1) for j in range(1, MAX_K + 1))
 
 
 def test_a_drafter_calibrates_once_per_target(monkeypatch):

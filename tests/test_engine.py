@@ -111,7 +111,7 @@ def test_context_length_stops_generation():
 
 
 def test_heuristic_schedule_sequence():
-    h = Heuristic()
+    h = Heuristic().prepare(None, [])
     seq = []
     for drafted_all in [True, True, False, False, False, False, False, False, False, True]:
         k = h.next_k()

@@ -10,8 +10,15 @@ import tracemalloc
 import pytest
 from conftest import encode, hf_greedy, tiny_llama
 
-from assistgen import Constant, generate
-from assistgen.ngram import NGramCache, NGramCacheDrafter, shared_cache
+from assistgen import ConfigError, Constant, generate
+from assistgen.ngram import (
+    SHARED_NAMESPACE,
+    NGramCache,
+    NGramCacheDrafter,
+    NGramCacheRegistry,
+    cache_for,
+    shared_cache,
+)
 
 
 def test_lookup_prefers_the_longest_ngram_and_the_most_recent_continuation():
@@ -145,7 +152,10 @@ def test_drafter_records_prompts_and_outputs_as_the_sequence_grows():
     assert drafter.propose([7, 8, 9], 4, sampler=None).tokens == []  # a new request: recorded from scratch
     assert cache.lookup([7, 8], 4) == ([9], 2) and cache.lookup([3, 1], 4) == ([2], 2)
     assert drafter.report() == {"ngram_cache_entries": len(cache)}
-    assert NGramCacheDrafter().cache is shared_cache() is shared_cache()
+    # process-wide only when asked for: a drafter given no cache has one of its own
+    assert NGramCacheDrafter().cache is not NGramCacheDrafter().cache
+    assert NGramCacheDrafter().cache is not shared_cache()
+    assert shared_cache() is shared_cache() is cache_for(SHARED_NAMESPACE)
 
 
 def test_drafter_learns_across_requests():
@@ -159,3 +169,61 @@ def test_drafter_learns_across_requests():
     first, second = (run.stats for run in runs)
     assert second.acceptance_rate > first.acceptance_rate
     assert second.accepted_tokens >= 20 and second.steps < first.steps
+
+
+def test_namespaces_do_not_see_each_others_text():
+    """A server names one namespace per user: a user's drafts come from that user's text only."""
+    target = tiny_llama(layers=2)
+    ids = encode("Once upon a time, in a land far away, there lived")
+    reference = hf_greedy(target, ids, 30)
+
+    def run(namespace):
+        out = generate(target, ids, ngram_cache=namespace, max_new_tokens=30, eos_token_ids=(), schedule=Constant(4))
+        assert out.token_ids == reference
+        return out.stats
+
+    alice, alice_again, bob = run("test-alice"), run("test-alice"), run("test-bob")
+    assert alice_again.accepted_tokens >= 20 and alice_again.steps < alice.steps  # the same namespace learnt
+    # bob saw nothing of alice's text: his first request drafts exactly as alice's first did
+    assert (bob.drafted_tokens, bob.accepted_tokens, bob.steps) == (alice.drafted_tokens, alice.accepted_tokens,
+                                                                     alice.steps)
+    tail = (ids + reference)[-3:-1]
+    assert cache_for("test-alice").lookup(tail, 4)[0] and cache_for("test-alice") is not cache_for("test-bob")
+    assert NGramCacheRegistry().cache_for("test-alice").lookup(tail, 4) == ([], 0)  # another registry: empty
+
+
+def test_the_registry_keeps_the_most_recently_used_namespaces():
+    registry = NGramCacheRegistry(max_namespaces=2, max_entries=10)
+    a, b = registry.cache_for("a"), registry.cache_for("b")
+    a.add([1, 2, 3])
+    assert registry.cache_for("a") is a  # a is now the most recent
+    registry.cache_for("c")  # one too many: b, the least recently used, is dropped
+    assert registry.namespaces() == ["a", "c"]
+    assert registry.cache_for("b") is not b and registry.namespaces() == ["c", "b"]  # a is dropped in turn
+    registry.drop("c")
+    assert registry.namespaces() == ["b"]
+    assert registry.cache_for("b").max_entries == 10  # every namespace's cache has the registry's settings
+    assert registry.memory_bound_bytes() == 2 * NGramCache(max_entries=10).memory_bound_bytes()
+    with pytest.raises(ValueError, match="max_namespaces"):
+        NGramCacheRegistry(max_namespaces=0)
+    with pytest.raises(ValueError, match="max_entries"):
+        NGramCacheRegistry(max_entries=0)
+    with pytest.raises(TypeError, match="namespace is a string"):
+        registry.cache_for(3)
+
+
+def test_concurrent_requests_for_a_namespace_get_one_cache():
+    registry = NGramCacheRegistry(max_namespaces=4)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(registry.cache_for("user"))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 8 and all(cache is got[0] for cache in got)
+
+
+@pytest.mark.parametrize("bad", [3, "", ["user"]])
+def test_a_bad_ngram_cache_argument_says_what_is_allowed(bad):
+    with pytest.raises(ConfigError, match="ngram_cache"):
+        generate(tiny_llama(layers=1), encode("hello"), ngram_cache=bad, max_new_tokens=2)

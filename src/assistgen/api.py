@@ -23,7 +23,8 @@ from assistgen.drafters import (
 from assistgen.engine import Chunk
 from assistgen.engine import stream as run_loop
 from assistgen.models import Model, load_model
-from assistgen.schedules import Adaptive, parse_schedule
+from assistgen.ngram import NGramCache, NGramCacheDrafter, cache_for, shared_cache
+from assistgen.schedules import Adaptive, Schedule, parse_schedule
 from assistgen.stats import Stats
 from assistgen.universal import UniversalDrafter
 
@@ -71,7 +72,7 @@ def make_drafter(
     assistant: Model | str | Drafter | None = None,
     lookup: bool = False,
     early_exit: bool | int = False,
-    ngram_cache=False,
+    ngram_cache: bool | str | NGramCache | None = False,
 ) -> Drafter:
     """The drafter for these options; several sources compose, cheapest first (lookup, n-gram cache, a model)."""
     if assistant is not None and early_exit:
@@ -79,18 +80,15 @@ def make_drafter(
     parts: list = []
     if lookup:
         parts.append(PromptLookupDrafter())
-    if ngram_cache:
-        from assistgen.ngram import NGramCache, NGramCacheDrafter, shared_cache
-
-        parts.append(NGramCacheDrafter(ngram_cache if isinstance(ngram_cache, NGramCache) else shared_cache()))
+    cache = ngram_cache_of(ngram_cache)
+    if cache is not None:
+        parts.append(NGramCacheDrafter(cache))
     if early_exit:
-        from assistgen.costs import verification_costs
         from assistgen.early_exit import EarlyExitDrafter
 
         layers = None if early_exit is True else int(early_exit)
-        costs = verification_costs(target) if layers is None else None
         try:
-            parts.append(EarlyExitDrafter(target, layers=layers, verify_cost=costs))
+            parts.append(EarlyExitDrafter(target, layers=layers))
         except ValueError as e:
             raise ConfigError(f"early exit: {e}") from e
     elif assistant is not None:
@@ -100,12 +98,31 @@ def make_drafter(
     return parts[0] if len(parts) == 1 else CompositeDrafter(parts)
 
 
+def ngram_cache_of(ngram_cache) -> NGramCache | None:
+    """The `NGramCache` that `ngram_cache` names: None for False/None, the process-wide shared namespace for
+    True, a namespace's cache for a string (`ngram.cache_for`), or the cache object itself."""
+    if ngram_cache is None or ngram_cache is False:
+        return None
+    if ngram_cache is True:
+        return shared_cache()
+    if isinstance(ngram_cache, str):
+        if not ngram_cache:
+            raise ConfigError("ngram_cache: a namespace must be a non-empty string (e.g. the user's id).")
+        return cache_for(ngram_cache)
+    if isinstance(ngram_cache, NGramCache):
+        return ngram_cache
+    raise ConfigError(f"ngram_cache must be True (the process-wide cache), a namespace string or an NGramCache, "
+                      f"got {type(ngram_cache).__name__}.")
+
+
 def model_drafter(target: Model, assistant: Model | str | Drafter) -> Drafter:
     if hasattr(assistant, "propose") and hasattr(assistant, "observe"):
-        missing = [m for m in ("finish", "report", "name", "context_length") if not hasattr(assistant, m)]
+        needed = ("finish", "report", "name", "context_length", "model", "acceptance_prior")
+        missing = [m for m in needed if not hasattr(assistant, m)]
         if missing:
             raise ConfigError(f"The drafter {type(assistant).__name__} lacks {', '.join(missing)}: a drafter "
-                              "implements propose, observe, finish, report, name and context_length (drafters.py).")
+                              "implements propose, observe, finish, report, name, context_length, model (None "
+                              "without one) and acceptance_prior (None without one) (drafters.py).")
         return assistant
     assistant = as_model(assistant)
     if same_tokenizer(target, assistant):
@@ -126,16 +143,19 @@ def stream(
     schedule=None,
     chat: bool = False,
     early_exit: bool | int = False,
-    ngram_cache=False,
+    ngram_cache: bool | str | NGramCache | None = False,
     **settings,
 ) -> Iterator[Chunk]:
     """Stream `Chunk`s (tokens and text per verification step); the last one carries the stats.
 
     Drafting sources, cheapest first when several are given: `lookup` (prompt lookup),
-    `ngram_cache` (True: the process-wide cross-request n-gram cache, or an `NGramCache`), then one
+    `ngram_cache` (an n-gram cache that learns across requests: a namespace string, e.g. a user's id, whose
+    cache only requests naming the same namespace share (`ngram.cache_for`); True: the process-wide shared
+    namespace; or an `NGramCache` object), then one
     model: `assistant` (a model, name or drafter; another tokenizer switches to universal mode) or
     `early_exit` (True, or a layer count: the target's own first layers draft). `schedule` defaults
-    to the cost-aware `Adaptive` policy; a schedule object or its CLI form ('constant:4', 'heuristic').
+    to the cost-aware `Adaptive` policy; a schedule (its settings: never changed by a generation, so one
+    object can serve many) or its CLI form ('constant:4', 'heuristic').
     `settings` are the fields of `GenerationConfig`:
     max_new_tokens, temperature, top_k, top_p, seed, stop, eos_token_ids.
     """
@@ -154,17 +174,18 @@ def stream(
     yield from run_loop(target, prompt_ids, drafter, schedule, config)
 
 
-def as_schedule(schedule):
-    """A fresh copy of a schedule object, or one parsed from its CLI form ('constant:4', 'adaptive', ...)."""
+def as_schedule(schedule) -> Schedule:
+    """A schedule object (settings; each generation gets its own run from `prepare`), or one parsed from its
+    CLI form ('constant:4', 'adaptive', ...)."""
     if isinstance(schedule, str):
         try:
             return parse_schedule(schedule)
         except ValueError as e:
             raise ConfigError(str(e)) from e
-    if not callable(getattr(schedule, "fresh", None)):
+    if not callable(getattr(schedule, "prepare", None)):
         raise ConfigError(f"schedule must be a schedule object (assistgen.schedules) or a string such as "
                           f"'constant:4' or 'adaptive', got {type(schedule).__name__}.")
-    return schedule.fresh()
+    return schedule
 
 
 def generate(
@@ -175,7 +196,7 @@ def generate(
     schedule=None,
     chat: bool = False,
     early_exit: bool | int = False,
-    ngram_cache=False,
+    ngram_cache: bool | str | NGramCache | None = False,
     **settings,
 ) -> Generation:
     """Generate a continuation of `prompt`; same arguments as `stream`."""

@@ -20,12 +20,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from assistgen.gain import MAX_K
 from assistgen.timing import measurement_key, measurement_path, step_times
 
 if TYPE_CHECKING:
     from assistgen.models import Model
-
-MAX_K = 16  # costs are measured for k = 0..MAX_K draft tokens
 
 
 def _set_up(model: Model) -> tuple[str, ...]:
@@ -47,7 +46,7 @@ def costs_path(model: Model):
 
 
 def verification_costs(model: Model, refresh: bool = False) -> list[float]:
-    """The model's v[0..MAX_K], from memory, from disk, or measured now (and saved)."""
+    """The model's v[0..MAX_K] (`gain.MAX_K`), from memory, from disk, or measured now (and saved)."""
     return calibration(model, refresh)["verification_costs"]
 
 

@@ -12,8 +12,15 @@ Contract: a drafter implements
         told the whole sequence when the generation ends (a cache that learns across requests records it);
     report() -> dict
         drafter-specific figures for the statistics;
-and a `context_length` (None when unbounded). Drafters never see the target's cache and never
-decide acceptance; the generation loop in `engine.py` does. Plain decoding is `NoDrafter`.
+and the attributes
+    name              what the statistics and the schedule call it (unique among a composite's parts);
+    context_length    the longest sequence it can draft after (None when unbounded);
+    model             the `Model` it runs, or None when it runs none (prompt lookup, the n-gram cache):
+                      the adaptive policy sizes its cost per token from it;
+    acceptance_prior  the acceptance rate expected before any draft is verified (early exit's
+                      calibrated agreement), or None: the policy then starts from its own prior.
+Drafters never see the target's cache and never decide acceptance; the generation loop in
+`engine.py` does. Plain decoding is `NoDrafter`.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ class Draft:
 class Drafter(Protocol):
     name: str
     context_length: int | None
+    model: Model | None
+    acceptance_prior: float | None
 
     def propose(self, ids: list[int], k: int, sampler: Sampler, min_confidence: float = 0.0) -> Draft: ...
 
@@ -57,6 +66,8 @@ class NoDrafter:
 
     name = "none"
     context_length = None
+    model = None
+    acceptance_prior = None
 
     def propose(self, ids: list[int], k: int, sampler: Sampler, min_confidence: float = 0.0) -> Draft:
         return Draft()
@@ -80,6 +91,7 @@ class AssistantDrafter:
     """
 
     name = "assistant"
+    acceptance_prior = None
 
     def __init__(self, assistant: Model, target: Model):
         check_same_tokenizer(target, assistant)
@@ -177,6 +189,8 @@ class PromptLookupDrafter:
 
     name = "prompt-lookup"
     context_length = None
+    model = None
+    acceptance_prior = None
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
@@ -235,8 +249,12 @@ class CompositeDrafter:
 
     The generation loop asks each part in turn (with the lookahead the schedule picks for that part)
     and verifies the first non-empty draft, so a model drafter runs only when the cheap sources have
-    nothing. `propose` here does the same with one k for callers outside the loop.
+    nothing. `propose` here does the same with one k for callers outside the loop. Its own `model` and
+    `acceptance_prior` are None: the policy reads those of each part.
     """
+
+    model = None
+    acceptance_prior = None
 
     def __init__(self, parts: list):
         if not parts:

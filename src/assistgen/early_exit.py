@@ -8,7 +8,8 @@ its own config (N layers), so its KV cache holds N layers and nothing of the tar
 sequence at every proposal). `calibrate_exit_layer` picks N when none is given: one teacher-forced
 forward of the full target over a calibration text measures, for every N, how often the exit-N
 argmax equals the full model's (alpha_N); a parameter count estimates the cost of a draft token
-relative to a target step (c_N); the N with the best expected speed-up wins. The drafter remembers
+relative to a target step (c_N); the N with the best expected speed-up (`gain.expected_gain` with the
+target's measured verification costs, `costs.verification_costs`, over k = 1..MAX_K) wins. The drafter remembers
 a calibration per target module for the life of the process, so only the first request pays for it.
 This module knows nothing about acceptance or schedules: the generation loop verifies what it drafts.
 
@@ -26,16 +27,16 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from assistgen.costs import verification_costs
 from assistgen.drafters import AssistantDrafter, Draft
+from assistgen.gain import MAX_K, best_draft_length
 from assistgen.models import Model
 from assistgen.sampling import Sampler
-from assistgen.schedules import expected_gain
 
 LAYER_LISTS = ("layers", "h")  # where a base model keeps its decoder layers (Llama-style, GPT-2)
 FINAL_NORMS = ("norm", "ln_f", "final_layernorm")
 CALIBRATION_TOKENS = 256
 SCORED_POSITIONS = 128  # positions of the calibration text at which every exit is scored (None: all)
-MAX_K = 8  # the speed-up estimate considers k = 1..MAX_K draft tokens
 
 
 class EarlyExitDrafter:
@@ -214,11 +215,11 @@ def layer_costs(target: Model) -> list[float]:
     return [(sum(per_layer[:n]) + head) / total for n in range(1, len(full))]
 
 
-def best_speedup(alpha: float, cost: float, verify_cost: list[float] | None = None) -> tuple[float, int]:
-    """(max over k = 1..MAX_K of E(k) / (k * cost + v(k)), that k); v(k) = verify_cost[k], else 1 + 0.1 k."""
-    v = list(verify_cost) if verify_cost is not None else [1.0 + 0.1 * k for k in range(MAX_K + 1)]
-    ks = range(1, min(MAX_K, len(v) - 1) + 1)
-    return max(((expected_gain([alpha], k, v, cost), k) for k in ks), key=lambda b: b[0], default=(0.0, 0))
+def best_speedup(alpha: float, cost: float, verify_cost: list[float]) -> tuple[float, int]:
+    """(max over k = 1..MAX_K of the expected gain E(k) / (k * cost + v[k]) at acceptance rate alpha, that k),
+    with v = verify_cost (k within it)."""
+    k, gain = best_draft_length([alpha], verify_cost, cost, MAX_K)
+    return gain, k
 
 
 def calibrate_exit_layer(
@@ -230,11 +231,14 @@ def calibrate_exit_layer(
     """The exit layer N with the best expected speed-up, and the table behind the choice.
 
     `ids`: the calibration text (default: the first 256 tokens of the package's sample article);
-    `verify_cost[k]`: the cost of verifying k draft tokens relative to a plain step (default 1 + 0.1 k).
+    `verify_cost[k]`: the cost of verifying k draft tokens relative to a plain step (default: the target's
+    measured costs, `costs.verification_costs`).
     Rows: {"layers", "agreement", "cost", "best_speedup", "best_k"} for N = 1..L-1. When no row's
     best_speedup exceeds 1, early exit is not expected to pay on this model (N is still the best one).
     """
-    if verify_cost is not None and len(verify_cost) < 2:
+    if verify_cost is None:
+        verify_cost = verification_costs(target)
+    if len(verify_cost) < 2:
         raise ValueError("verify_cost needs v[0] and at least v[1] (cost of verifying 1 draft token)")
     ids = default_calibration_ids(target) if ids is None else list(ids)
     agreement, costs = exit_agreement(target, ids, positions), layer_costs(target)
@@ -253,8 +257,10 @@ def remembered_calibration(
     target: Model, ids: list[int], verify_cost: list[float] | None = None
 ) -> tuple[int, list[dict]]:
     """`calibrate_exit_layer`, run once per target module and settings in this process (each request builds
-    a drafter; calibrating a large-vocabulary model takes seconds)."""
-    key = (tuple(ids), None if verify_cost is None else tuple(verify_cost))
+    a drafter; calibrating a large-vocabulary model takes seconds). verify_cost None: the target's measured costs."""
+    if verify_cost is None:
+        verify_cost = verification_costs(target)
+    key = (tuple(ids), tuple(verify_cost))
     known = _calibrations.setdefault(target.hf, {})
     if key not in known:
         known[key] = calibrate_exit_layer(target, ids, verify_cost)

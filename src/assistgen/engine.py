@@ -19,7 +19,7 @@ from assistgen.config import ConfigError, GenerationConfig
 from assistgen.drafters import Draft, Drafter, NoDrafter, attempts
 from assistgen.models import Model
 from assistgen.sampling import Sampler, verify_greedy, verify_speculative
-from assistgen.schedules import Step
+from assistgen.schedules import Schedule, ScheduleRun, Step
 from assistgen.stats import Stats
 from assistgen.text import TextStream
 
@@ -33,7 +33,7 @@ class Chunk:
 
 
 def stream(
-    target: Model, prompt_ids: list[int], drafter: Drafter, schedule, config: GenerationConfig
+    target: Model, prompt_ids: list[int], drafter: Drafter, schedule: Schedule, config: GenerationConfig
 ) -> Iterator[Chunk]:
     config.validate()
     context = context_limit(target, drafter)
@@ -47,19 +47,19 @@ def stream(
     parts = drafter_parts(drafter)
     started = time.perf_counter()
 
-    schedule.prepare(target, parts, len(prompt_ids))
+    run = schedule.prepare(target, parts, len(prompt_ids), config.greedy)  # this generation's state
     prefill(cache, ids, stats)
     finish = None
     while finish is None:
         # Draft no more than can be used: the sequence never outgrows the context, and a step emits
         # its accepted tokens plus one, so r tokens still wanted need at most r - 1 draft tokens.
         room = min(context - len(ids), config.max_new_tokens - stats.new_tokens) - 1
-        draft, part, draft_s = propose(parts, ids, schedule, room, sampler, stats)
-        n = max(0, min(schedule.trim(draft, part, room), room))
+        draft, part, draft_s = propose(parts, ids, run, room, sampler, stats)
+        n = max(0, min(run.trim(draft, part, room), room))
         accepted, token, p, verify_s = verify(cache, ids, draft, n, sampler, stats)
         cache.crop(len(ids) + accepted)  # roll back the rejected draft positions
         drafter.observe(accepted, p)
-        schedule.update(Step(draft, part, n, accepted, token, draft_s, verify_s))
+        run.update(Step(draft, part, n, accepted, token, draft_s, verify_s))
         stats.record_step(n, accepted)
 
         new = draft.tokens[:accepted] + [token]
@@ -73,7 +73,7 @@ def stream(
             stats.finish_reason = finish
             drafter.finish(ids)
             stats.notes.update(drafter.report())
-            stats.notes.update(schedule.report())
+            stats.notes.update(run.report())
         yield Chunk(new, text.delta(final=finish is not None), finish, stats)
 
 
@@ -93,7 +93,7 @@ def prefill(cache: KVCache, ids: list[int], stats: Stats) -> None:
     stats.prefill_s += time.perf_counter() - t
 
 
-def propose(parts: list, ids: list[int], schedule, room: int, sampler: Sampler, stats: Stats):
+def propose(parts: list, ids: list[int], schedule: ScheduleRun, room: int, sampler: Sampler, stats: Stats):
     """Ask each drafter in turn for as many tokens as the schedule wants; the first non-empty draft wins.
 
     Returns (draft, name of the drafter that made it or "", that drafter's time).

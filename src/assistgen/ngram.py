@@ -7,10 +7,18 @@ recently written or looked-up entry is evicted first), so its memory is bounded
 continuation gained tokens at positions >= start; feeding a growing sequence piece by piece gives
 the same cache as adding it whole. An n-gram at the very end of a sequence has no continuation yet
 and is not recorded. All methods take a lock, so one cache can serve concurrent requests.
-`NGramCacheDrafter` drafts from a cache (by default the process-wide `shared_cache()`): before each
-proposal it records what the sequence gained since the last one, so prompts and outputs of every
-request end up in the cache, then proposes what followed the sequence's tail the last time. It
-proposes token ids only, no probabilities; it knows nothing about models or acceptance.
+
+Caches are scoped by a namespace, so that one user's text never reaches another's drafts: a
+server names one per user (or tenant), and `cache_for(namespace)` returns that namespace's cache
+from the process's `NGramCacheRegistry`, which holds at most `MAX_NAMESPACES` caches (the least
+recently used namespace is dropped) and so at most `REGISTRY.memory_bound_bytes()` (8 full caches
+of the default size: about 1.4 GB; a cache holds about 3 entries per token of text). Text is shared
+process-wide only when asked for: the namespace `SHARED_NAMESPACE` (`shared_cache()`, what
+`ngram_cache=True` means in the API). `NGramCacheDrafter` drafts from the cache it is given (a new
+one of its own when none is): before each proposal it records what the sequence gained since the
+last one, so prompts and outputs of every request that uses the cache end up in it, then proposes
+what followed the sequence's tail the last time. It proposes token ids only, no probabilities; it
+knows nothing about models or acceptance.
 """
 
 from __future__ import annotations
@@ -112,17 +120,66 @@ class NGramCache:
         return FIXED_BYTES + self.max_entries * per_entry
 
 
-_shared: NGramCache | None = None
-_shared_lock = threading.Lock()
+SHARED_NAMESPACE = "shared"  # the namespace of `ngram_cache=True`: every request in the process that asks for it
+MAX_NAMESPACES = 8  # namespaces the default registry keeps (the least recently used one beyond that is dropped)
+
+
+class NGramCacheRegistry:
+    """A bounded, locked map from a namespace string (a user, a tenant) to that namespace's `NGramCache`.
+
+    It holds at most `max_namespaces` caches; asking for one more drops the least recently asked-for
+    namespace (its text is forgotten; a drafter still using its cache keeps that object until it ends).
+    Every cache has the same settings (`cache_settings`: the arguments of `NGramCache`), so the memory
+    the registry holds is at most `memory_bound_bytes()`.
+    """
+
+    def __init__(self, max_namespaces: int = MAX_NAMESPACES, **cache_settings):
+        if isinstance(max_namespaces, bool) or not isinstance(max_namespaces, int) or max_namespaces < 1:
+            raise ValueError(f"NGramCacheRegistry: max_namespaces must be a positive integer, got {max_namespaces!r}")
+        NGramCache(**cache_settings)  # check the settings now, not at the first request
+        self.max_namespaces, self.cache_settings = max_namespaces, dict(cache_settings)
+        self._caches: OrderedDict[str, NGramCache] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def cache_for(self, namespace: str) -> NGramCache:
+        """The cache of `namespace`, created empty on first use."""
+        if not isinstance(namespace, str):
+            raise TypeError(f"an n-gram cache namespace is a string, got {type(namespace).__name__}")
+        with self._lock:
+            cache = self._caches.get(namespace)
+            if cache is None:
+                cache = self._caches[namespace] = NGramCache(**self.cache_settings)
+                if len(self._caches) > self.max_namespaces:
+                    self._caches.popitem(last=False)
+            self._caches.move_to_end(namespace)
+            return cache
+
+    def drop(self, namespace: str) -> None:
+        """Forget a namespace and its text (nothing happens when it is not held)."""
+        with self._lock:
+            self._caches.pop(namespace, None)
+
+    def namespaces(self) -> list[str]:
+        """The namespaces held, least recently used first."""
+        with self._lock:
+            return list(self._caches)
+
+    def memory_bound_bytes(self) -> int:
+        """An upper bound on the memory of the caches it holds: `max_namespaces` full caches."""
+        return self.max_namespaces * NGramCache(**self.cache_settings).memory_bound_bytes()
+
+
+REGISTRY = NGramCacheRegistry()  # the process's namespaces; a request reaches only the one it names
+
+
+def cache_for(namespace: str) -> NGramCache:
+    """The process's cache for `namespace` (`REGISTRY`): requests share text only when they name the same one."""
+    return REGISTRY.cache_for(namespace)
 
 
 def shared_cache() -> NGramCache:
-    """The process-wide default cache (created on first use), so that requests in one process share it."""
-    global _shared
-    with _shared_lock:
-        if _shared is None:
-            _shared = NGramCache()
-        return _shared
+    """The process-wide cache that `ngram_cache=True` asks for: the namespace `SHARED_NAMESPACE`."""
+    return cache_for(SHARED_NAMESPACE)
 
 
 class NGramCacheDrafter:
@@ -130,9 +187,11 @@ class NGramCacheDrafter:
 
     name = "ngram-cache"
     context_length = None
+    model = None
+    acceptance_prior = None
 
     def __init__(self, cache: NGramCache | None = None):
-        self.cache = cache if cache is not None else shared_cache()
+        self.cache = cache if cache is not None else NGramCache()  # None: a cache of its own
         self.recorded: list[int] = []  # the sequence as last recorded into the cache
 
     def propose(self, ids: list[int], k: int, sampler: Sampler, min_confidence: float = 0.0) -> Draft:

@@ -1,7 +1,11 @@
 """Lookahead schedules: how many tokens to draft, and how many of them to verify, at each step.
 
-Contract: a schedule is per generation (`fresh()` returns a new one with the same settings) and has
-    prepare(target, parts, prompt_length)  once, before the first step (parts: the drafters, cheapest first);
+Contract: a schedule is split in two. The `Schedule` the user passes holds settings only: a frozen
+dataclass, shared freely between generations and threads, never changed by a generation. Its
+    prepare(target, parts, prompt_length, greedy) -> ScheduleRun
+is called once per generation, before the first step (parts: the drafters, cheapest first; greedy:
+whether the generation is greedy), and returns that generation's `ScheduleRun`, which holds
+whatever the generation learns and answers the loop in `engine.py`:
     next_k(part) -> int         how many tokens to ask `part` for (0: skip it this step);
     trim(draft, part, room) -> int  how many of the proposed tokens to verify (<= len(draft.tokens));
                                 room: the most draft tokens that can still be used (the generation ends
@@ -9,17 +13,32 @@ Contract: a schedule is per generation (`fresh()` returns a new one with the sam
     update(step)                the outcome of the step (`Step`);
     report() -> dict            figures for the statistics;
 and `min_confidence` (a model drafter stops early when its top probability falls below it; 0
-disables). `Constant` and `Heuristic` are the fixed rules of the reference design. `Adaptive` is
-the cost-aware default: it picks the k (0 included) that maximises expected tokens per unit of
-time, E(k) / (k*c + v[k]), from online acceptance estimates, measured drafter costs c and the
-target's verification costs v (`costs.py`).
+disables). No schedule verifies more than `gain.MAX_K` draft tokens in a step.
+
+`Constant` and `Heuristic` are the fixed rules of the reference design (`Constant` has no state and
+is its own run). `Adaptive` is the cost-aware default: it picks the k (0 included) that maximises
+expected tokens per unit of time, E(k) / (k*c + v[k]) (`gain.py`), from online acceptance
+estimates, drafter costs c and the target's verification costs v (`costs.py`). It reads of a
+drafter only what the `Drafter` protocol declares (`name`, `model`, `acceptance_prior`).
+
+Reproducibility: with sampling, the number of random draws depends on k, so k must not depend on
+wall-clock time: a sampled generation keeps every drafter's cost at its deterministic prior (the
+weight-bytes ratio of `cost_hint`, or `Adaptive.drafter_cost_prior`), and k is a function of the
+seed and the machine's cached cost curve. A greedy generation measures drafter costs online (its
+output is the same whatever k is).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
-from assistgen.drafters import Draft
+from assistgen.costs import verification_costs
+from assistgen.drafters import Draft, Drafter
+from assistgen.gain import MAX_K, best_lookahead, expected_tokens, step_cost
+
+if TYPE_CHECKING:
+    from assistgen.models import Model
 
 
 @dataclass
@@ -35,19 +54,45 @@ class Step:
     verify_s: float = 0.0  # time of the target's forward pass
 
 
-@dataclass
+class ScheduleRun(Protocol):
+    """One generation's lookahead decisions, and the state behind them."""
+
+    min_confidence: float
+
+    def next_k(self, part: Drafter) -> int: ...
+
+    def trim(self, draft: Draft, part: str = "", room: int | None = None) -> int: ...
+
+    def update(self, step: Step) -> None: ...
+
+    def report(self) -> dict: ...
+
+
+class Schedule(Protocol):
+    """Lookahead settings (immutable); `prepare` begins one generation's run."""
+
+    def prepare(self, target: Model | None, parts: list[Drafter], prompt_length: int = 0,
+                greedy: bool = True) -> ScheduleRun: ...
+
+
+def check_k(name: str, k: int, low: int) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= MAX_K:
+        raise ValueError(f"{name} must be an integer in {low}..{MAX_K} (MAX_K, the most draft tokens a step "
+                         f"verifies), got {k!r}")
+
+
+@dataclass(frozen=True)
 class Constant:
-    """Always ask for k tokens and verify all of them."""
+    """Always ask for k tokens and verify all of them. Stateless: its own run."""
 
     k: int = 5
     min_confidence: float = 0.0
 
     def __post_init__(self):
-        if self.k < 0:
-            raise ValueError(f"lookahead k must be >= 0, got {self.k}")
+        check_k("lookahead k", self.k, 0)
 
-    def prepare(self, target, parts, prompt_length: int = 0) -> None:
-        pass
+    def prepare(self, target=None, parts=(), prompt_length: int = 0, greedy: bool = True) -> Constant:
+        return self
 
     def next_k(self, part=None) -> int:
         return self.k
@@ -61,30 +106,52 @@ class Constant:
     def report(self) -> dict:
         return {}
 
-    def fresh(self):
-        return replace(self)
 
-
-@dataclass
-class Heuristic(Constant):
+@dataclass(frozen=True)
+class Heuristic:
     """The original assisted-generation rule: start at 5; +2 when every draft token was accepted, -1 otherwise."""
 
     start: int = 5
     increase: int = 2
     decrease: int = 1
     min_k: int = 1
-    max_k: int = 32
+    max_k: int = MAX_K
+    min_confidence: float = 0.0
 
     def __post_init__(self):
-        self.k = self.start
+        check_k("max_k", self.max_k, 1)
+        if not 1 <= self.min_k <= self.start <= self.max_k:
+            raise ValueError(f"need 1 <= min_k <= start <= max_k, got {self.min_k}, {self.start}, {self.max_k}")
+
+    def prepare(self, target=None, parts=(), prompt_length: int = 0, greedy: bool = True) -> HeuristicRun:
+        return HeuristicRun(self)
+
+
+class HeuristicRun:
+    """One generation under `Heuristic`: the current k."""
+
+    def __init__(self, settings: Heuristic):
+        self.settings = settings
+        self.min_confidence = settings.min_confidence
+        self.k = settings.start
+
+    def next_k(self, part=None) -> int:
+        return self.k
+
+    def trim(self, draft: Draft, part: str = "", room: int | None = None) -> int:
+        return len(draft.tokens)
 
     def update(self, step: Step) -> None:
         if step.verified == 0:
             return  # the drafter had nothing to offer; that says nothing about k
+        s = self.settings
         if step.accepted == step.verified:
-            self.k = min(self.max_k, self.k + self.increase)
+            self.k = min(s.max_k, self.k + s.increase)
         else:
-            self.k = max(self.min_k, self.k - self.decrease)
+            self.k = max(s.min_k, self.k - s.decrease)
+
+    def report(self) -> dict:
+        return {}
 
 
 def confidence(k: int = 10, threshold: float = 0.4) -> Constant:
@@ -95,34 +162,6 @@ def confidence(k: int = 10, threshold: float = 0.4) -> Constant:
 
 
 # --- the cost-aware policy -------------------------------------------------------------------------
-
-
-def expected_tokens(rates: list[float], k: int) -> float:
-    """E(k): tokens one step emits when it verifies k draft tokens.
-
-    rates[i] = P(draft token i+1 accepted | tokens 1..i accepted); the step always adds the target's
-    own token, so E(k) = 1 + sum_{i=1..k} prod_{j<=i} rates[j-1].
-    """
-    total, chain = 1.0, 1.0
-    for i in range(k):
-        chain *= rates[min(i, len(rates) - 1)]
-        total += chain
-    return total
-
-
-def expected_gain(rates: list[float], k: int, costs: list[float], c: float) -> float:
-    """Expected tokens per unit of time relative to plain decoding: E(k) / (k*c + v[k])."""
-    return expected_tokens(rates, k) / (k * c + costs[k])
-
-
-def best_lookahead(rates: list[float], costs: list[float], c: float, k_max: int) -> tuple[int, float]:
-    """The k in 0..k_max (and within the measured costs) with the highest expected gain; ties go to the smaller k."""
-    best, best_gain = 0, 1.0  # k = 0 is plain decoding: gain 1
-    for k in range(1, min(k_max, len(costs) - 1) + 1):
-        gain = expected_gain(rates, k, costs, c)
-        if gain > best_gain:
-            best, best_gain = k, gain
-    return best, best_gain
 
 
 def finishing_pays(rates: list[float], costs: list[float], k: int, gain: float, room: int) -> bool:
@@ -136,7 +175,7 @@ def finishing_pays(rates: list[float], costs: list[float], k: int, gain: float, 
 
     def time_to_finish(n: int) -> float:
         left = max(0.0, wanted - expected_tokens(rates, n))
-        return costs[min(n, len(costs) - 1)] + (max(left / gain, min(left, 1.0)) if left > 1e-9 else 0.0)
+        return step_cost(costs, min(n, len(costs) - 1)) + (max(left / gain, min(left, 1.0)) if left > 1e-9 else 0.0)
 
     return time_to_finish(room) <= time_to_finish(k)
 
@@ -183,7 +222,7 @@ class Acceptance:
         return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class Adaptive:
     """Choose k (0 included) before every step to maximise expected tokens per unit of time.
 
@@ -192,10 +231,11 @@ class Adaptive:
     unverified tokens are still checked against the token the target emits, so their estimate
     keeps learning while speculation is off. Costlier drafters are asked for the best k directly;
     while that is 0 they are probed with k = 1 now and then, spending at most `probe_share` of
-    the time, so drafting comes back when the text becomes predictable.
+    the time, so drafting comes back when the text becomes predictable. Settings only: each
+    generation's estimates live in the `AdaptiveRun` that `prepare` returns.
     """
 
-    max_k: int = 16
+    max_k: int = MAX_K
     weight: float = 0.2  # EMA weight of a new acceptance observation
     prior: float = 0.5  # acceptance assumed before any observation
     # For free drafters, a draft position never verified yet is assumed at least this likely to be accepted, given
@@ -206,73 +246,81 @@ class Adaptive:
     probe_share: float = 0.01  # at most this share of time probes a drafter that is switched off
     prefill_speedup: float = 16.0  # a drafter catches up on unseen tokens this many times faster than it drafts
     free_cost: float = 0.02  # drafters cheaper than this per token are trimmed after proposing
+    cost_weight: float = 0.2  # EMA weight of a new timing (drafter cost, plain-step time; greedy runs only)
     min_confidence: float = 0.0
     costs: list[float] | None = None  # v[k]; None: the target's measured verification costs
-    drafter_cost_prior: float | None = None  # c assumed for a model drafter before it is measured; None: params ratio
+    # c assumed for a model drafter before it is measured (and throughout a sampled generation); None: `cost_hint`
+    drafter_cost_prior: float | None = None
 
     def __post_init__(self):
-        if self.max_k < 1:
-            raise ValueError(f"max_k must be >= 1, got {self.max_k}")
+        check_k("max_k", self.max_k, 1)
         if not 0.0 < self.weight <= 1.0 or not 0.0 <= self.prior <= 1.0 or not 0.0 <= self.unseen_floor <= 1.0:
             raise ValueError(f"need 0 < weight <= 1 and 0 <= prior, unseen_floor <= 1, got {self.weight}, "
                              f"{self.prior}, {self.unseen_floor}")
+        if not 0.0 < self.cost_weight <= 1.0:
+            raise ValueError(f"need 0 < cost_weight <= 1, got {self.cost_weight}")
+
+    def prepare(self, target: Model | None, parts: list[Drafter], prompt_length: int = 0,
+                greedy: bool = True) -> AdaptiveRun:
+        return AdaptiveRun(self, target, parts, prompt_length, measure=greedy)
+
+
+class AdaptiveRun:
+    """One generation under `Adaptive` settings: acceptance estimates, drafter costs, probes.
+
+    measure: whether drafter costs follow measured time (greedy) or stay at their priors (sampling,
+    so that k, and with it the random draws, depend only on the seed).
+    """
+
+    def __init__(self, settings: Adaptive, target: Model | None, parts: list[Drafter], prompt_length: int = 0,
+                 measure: bool = True):
+        self.settings = settings
+        self.min_confidence = settings.min_confidence
+        self.measure = measure
         self.acceptance: dict[str, Acceptance] = {}
         self.drafter_cost: dict[str, float] = {}  # c per proposed token, in target steps
-        self.unit_s: float | None = None  # the time of one plain step, estimated from every step
+        self.unit_s: float | None = None  # the time of one plain step, estimated from every step (when measuring)
         self.off_steps: dict[str, int] = {}
         self.seen: dict[str, int] = {}  # sequence length when each drafter last drafted (it has seen that much)
-        self.length = 0  # current sequence length
+        self.length = prompt_length  # current sequence length
         self.probes = 0
         self.last_part = ""
-
-    def fresh(self):
-        return replace(self)
-
-    def prepare(self, target, parts, prompt_length: int = 0) -> None:
-        self.__post_init__()  # a new generation: forget the estimates of any earlier one
-        self.length = prompt_length
+        self.costs: list[float] | None = None  # v[k]; None for plain decoding: nothing to choose
         if not parts:
-            return  # plain decoding: nothing to choose
-        if self.costs is None:
-            from assistgen.costs import verification_costs
-
-            self.costs = verification_costs(target)
+            return
+        self.costs = list(settings.costs) if settings.costs is not None else verification_costs(target)
         for part in parts:
-            hint = cost_hint(part, target)
-            if hint is None:
-                hint = 0.0  # no model: free until measured otherwise
-            elif self.drafter_cost_prior is not None:
-                hint = self.drafter_cost_prior
-            self.drafter_cost.setdefault(part.name, hint)
-            prior = getattr(part, "acceptance_prior", None)  # e.g. early exit's calibrated agreement
-            if prior is not None and part.name not in self.acceptance:
-                self.acceptance[part.name] = Acceptance(float(prior), self.weight, self.max_k + 1)
+            self.drafter_cost.setdefault(part.name, prior_cost(part, target, settings.drafter_cost_prior))
+            if part.acceptance_prior is not None and part.name not in self.acceptance:  # e.g. early exit's agreement
+                self.acceptance[part.name] = Acceptance(float(part.acceptance_prior), settings.weight,
+                                                        settings.max_k + 1)
 
     def estimate(self, source: str, part: str = "") -> Acceptance:
         """The estimate for a draft source (e.g. "lookup:3"); a new source of a drafter that has
         drafted before starts from that drafter's pooled estimate instead of the prior."""
         if source not in self.acceptance:
+            s = self.settings
             pooled = self.acceptance.get(part) if part and part != source else None
             start = pooled.estimate() if pooled is not None else None
-            free = self.drafter_cost.get(part or source, 0.0) < self.free_cost
-            self.acceptance[source] = Acceptance(self.prior, self.weight, self.max_k + 1, start,
-                                                 self.unseen_floor if free else 0.0)
+            free = self.drafter_cost.get(part or source, 0.0) < s.free_cost
+            self.acceptance[source] = Acceptance(s.prior, s.weight, s.max_k + 1, start,
+                                                 s.unseen_floor if free else 0.0)
         return self.acceptance[source]
 
     def _k_max(self) -> int:
-        return min(self.max_k, len(self.costs) - 1)
+        return min(self.settings.max_k, len(self.costs) - 1)
 
-    def next_k(self, part) -> int:
+    def next_k(self, part: Drafter) -> int:
         name = part.name
         c = self.drafter_cost.get(name, 0.0)
-        if c < self.free_cost:
+        if c < self.settings.free_cost:
             return self._k_max()
         k, _ = best_lookahead(self.estimate(name).estimate(), self.costs, c, self._k_max())
         if k > 0:
             self.off_steps[name] = 0
             return k
         self.off_steps[name] = self.off_steps.get(name, 0) + 1
-        if self.off_steps[name] * self.probe_share >= self.probe_cost(name, c):
+        if self.off_steps[name] * self.settings.probe_share >= self.probe_cost(name, c):
             self.off_steps[name] = 0
             self.probes += 1
             return 1
@@ -281,10 +329,10 @@ class Adaptive:
     def probe_cost(self, name: str, c: float) -> float:
         """A one-token probe, in plain steps: the draft, the extra verified row, and catching up on unseen tokens."""
         unseen = self.length - self.seen.get(name, 0)
-        return c + self.costs[1] - 1.0 + c * unseen / self.prefill_speedup
+        return c + self.costs[1] - 1.0 + c * unseen / self.settings.prefill_speedup
 
     def trim(self, draft: Draft, part: str = "", room: int | None = None) -> int:
-        if not draft.tokens or self.drafter_cost.get(part, 0.0) >= self.free_cost:
+        if not draft.tokens or self.drafter_cost.get(part, 0.0) >= self.settings.free_cost:
             return len(draft.tokens)  # a costly drafter was already asked for the best k
         rates = self.estimate(draft.source or part, part).estimate()
         k, gain = best_lookahead(rates, self.costs, 0.0, len(draft.tokens))
@@ -295,13 +343,15 @@ class Adaptive:
     def update(self, step: Step) -> None:
         if self.costs is None:
             return
-        if step.verify_s > 0:
-            unit = step.verify_s / self.costs[min(step.verified, len(self.costs) - 1)]
-            self.unit_s = unit if self.unit_s is None else self.unit_s + 0.2 * (unit - self.unit_s)
         self.length += step.accepted + 1
-        if not step.part or not step.draft.tokens:
-            self.last_part = step.part
-            return
+        if step.part and step.draft.tokens:
+            self.learn(step)
+        if self.measure:
+            self.measure_step(step)
+        self.last_part = step.part
+
+    def learn(self, step: Step) -> None:
+        """Record which of the step's draft tokens were accepted (and, for free, whether the next would have been)."""
         self.seen[step.part] = self.length
         source = step.draft.source or step.part
         estimates = [self.estimate(source, step.part)] + ([self.estimate(step.part)] if source != step.part else [])
@@ -312,11 +362,18 @@ class Adaptive:
                 # The target's own next token tells, for free, whether the next draft token would have been accepted
                 # (greedy: exactly; sampling: with probability p(token), the one-hot acceptance probability).
                 acceptance.observe(step.verified, step.token == unverified[0])
-        if step.part == self.last_part and self.unit_s:  # a drafter that drafted last step too: no catch-up cost
+
+    def measure_step(self, step: Step) -> None:
+        """Follow the plain-step time and the drafter's cost per token from this step's timings (greedy only)."""
+        w = self.settings.cost_weight
+        if step.verify_s > 0:
+            unit = step.verify_s / self.costs[min(step.verified, len(self.costs) - 1)]
+            self.unit_s = unit if self.unit_s is None else self.unit_s + w * (unit - self.unit_s)
+        # A drafter that drafted last step too has no catch-up cost in its time.
+        if step.part and step.draft.tokens and step.part == self.last_part and self.unit_s:
             c = step.draft_s / len(step.draft.tokens) / self.unit_s
             old = self.drafter_cost.get(step.part, c)
-            self.drafter_cost[step.part] = old + 0.2 * (c - old)
-        self.last_part = step.part
+            self.drafter_cost[step.part] = old + w * (c - old)
 
     def report(self) -> dict:
         out = {"schedule": "adaptive", "adaptive_probes": self.probes}
@@ -327,27 +384,33 @@ class Adaptive:
         return out
 
 
-def cost_hint(part, target) -> float | None:
+def prior_cost(part: Drafter, target: Model | None, drafter_cost_prior: float | None) -> float:
+    """A drafter's cost per token before any measurement: 0 without a model (free until measured
+    otherwise), else `drafter_cost_prior` when set, else `cost_hint`. Deterministic."""
+    if part.model is None:
+        return 0.0
+    if drafter_cost_prior is not None:
+        return drafter_cost_prior
+    return cost_hint(part, target)
+
+
+def cost_hint(part: Drafter, target: Model) -> float | None:
     """A drafter's cost per token before it is measured: its model's share of the target's weight bytes
     (parameters and buffers, so that quantized weights, held as buffers, count as what they are).
 
     None for a drafter without a model (prompt lookup, the n-gram cache).
     """
-    model = getattr(part, "model", None)
-    if model is None:
+    if part.model is None:
         return None
 
     def weight_bytes(hf) -> int:
         return sum(t.numel() * t.element_size() for t in (*hf.parameters(), *hf.buffers()))
 
-    try:
-        return weight_bytes(model.hf) / max(1, weight_bytes(target.hf))
-    except AttributeError:
-        return 1.0  # a model we cannot size: assume it costs as much as the target
+    return weight_bytes(part.model.hf) / max(1, weight_bytes(target.hf))
 
 
-def parse_schedule(text: str):
-    """'adaptive', 'constant:K', 'heuristic', 'confidence:K:T' (CLI form)."""
+def parse_schedule(text: str) -> Schedule:
+    """'adaptive', 'adaptive:MAX_K', 'constant:K', 'heuristic', 'confidence:K:T' (CLI form)."""
     name, *args = text.split(":")
     try:
         if name == "adaptive":

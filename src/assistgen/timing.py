@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from assistgen.gain import MAX_K
 from assistgen.paths import cache_root, safe_name
 
 
@@ -36,7 +37,7 @@ def model_device(model) -> torch.device:
 
 
 @torch.inference_mode()
-def step_times(model, max_k: int = 16, context: int = 128, repeats: int = 3) -> list[float]:
+def step_times(model, max_k: int = MAX_K, context: int = 128, repeats: int = 3) -> list[float]:
     """Seconds of one forward over n = 1..max_k+1 new tokens after `context` tokens (best of `repeats`)."""
     from assistgen.cache import KVCache
 

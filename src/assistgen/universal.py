@@ -244,6 +244,7 @@ class UniversalDrafter:
     """Any causal LM drafts for any other, whatever the two tokenizers."""
 
     name = "universal"
+    acceptance_prior = None
 
     def __init__(self, assistant: Model, target: Model, look_behind: int = LOOK_BEHIND):
         self.model = assistant

@@ -90,7 +90,8 @@ def run_command(args: argparse.Namespace) -> int:
     quantized = f" (quantized {args.quantize})" if args.quantize else ""
     print(f"peak RSS of this run: {peak_rss_mb():,.0f} MiB{quantized}")
     if curve:
-        print("verification cost t(n)/t(1), n = 1..17 tokens per forward: " + " ".join(f"{x:.2f}" for x in curve))
+        print(f"verification cost t(n)/t(1), n = 1..{len(curve)} tokens per forward: "
+              + " ".join(f"{x:.2f}" for x in curve))
     if args.plot:
         plot(rows, args.plot, curve)
         print(f"plot written to {args.plot}")

@@ -1,10 +1,13 @@
 """Figures from benchmark records: per-category tables, one JSON line, plots.
 
-Contract: pure functions of the records `runner.run_bench` produces. Speed-ups are ratios of
-tokens per second measured in the same run: vs assistgen's plain decoding, and vs transformers'
-equivalent method. The theoretical speed-up for acceptance rate a, lookahead k and draft cost c
-(per drafted token, relative to one target step) is (1 - a^(k+1)) / ((1 - a)(k*c + 1))
-(Leviathan et al. 2023); efficiency = measured / theoretical. The decode-phase speed-up leaves
+Contract: pure functions of the records `runner.run_bench` produces (and of the target's cost
+curve, when given). Speed-ups are ratios of tokens per second measured in the same run: vs
+assistgen's plain decoding, and vs transformers' equivalent method. The theoretical speed-up is
+the expected gain of `gain.py`, E(k) / (k*c + v[k]), for the measured acceptance rate a (the same at
+every position), the mean lookahead k and the draft cost c per drafted token in plain steps, with
+v the measured cost curve passed to `aggregate`; without one, verification is taken as free,
+v[k] = 1 (Leviathan et al. 2023's (1 - a^(k+1)) / ((1 - a)(k*c + 1)), an upper bound on a CPU).
+Efficiency = measured / theoretical. The decode-phase speed-up leaves
 out the prefill (the same forward pass over the prompt for every assistgen method), which
 neither the theory nor the oracle bound (k+1)t(1)/t(k+1) models; the copy category's share of
 the bound is given both ways.
@@ -12,21 +15,35 @@ the bound is given both ways.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
+
+from assistgen.gain import expected_gain, step_cost
 
 OVERALL = "overall"
 
 
-def theoretical_speedup(alpha: float, k: float, c: float) -> float:
-    """Expected tokens per unit time of speculation relative to plain decoding."""
-    if k <= 0:
+def free_verification(k: float) -> list[float]:
+    """The fallback cost curve when none was measured: verifying k draft tokens costs one plain step."""
+    return [1.0] * (math.ceil(k) + 1)
+
+
+def theoretical_speedup(alpha: float, k: float, c: float, cost_curve: list[float] | None = None) -> float | None:
+    """Expected tokens per unit time of speculation relative to plain decoding, at acceptance rate alpha,
+    mean lookahead k and draft cost c; cost_curve: v[k] (None: `free_verification`). None when k is beyond
+    the curve."""
+    costs = cost_curve if cost_curve else free_verification(k)
+    if k > len(costs) - 1:
+        return None
+    return expected_gain([alpha], k, costs, c)
+
+
+def unit_cost(cost_curve: list[float] | None, k: float) -> float:
+    """v[k] of a step verifying k draft tokens on average, in plain steps (1 without a curve, or beyond it)."""
+    if not cost_curve or k > len(cost_curve) - 1:
         return 1.0
-    if alpha >= 1.0:
-        expected = k + 1
-    else:
-        expected = (1 - alpha ** (k + 1)) / (1 - alpha)
-    return expected / (k * c + 1)
+    return step_cost(cost_curve, k)
 
 
 def oracle_bound(k: int, cost_curve: list[float]) -> float:
@@ -58,10 +75,13 @@ def aggregate(records: list[dict], cost_curve: list[float] | None = None) -> lis
             row["acceptance_rate"] = accepted / drafted if drafted else 0.0
             row["mean_accepted_length"] = 1 + accepted / steps if steps else 0.0
             row["lookahead"] = drafted / steps if steps else 0.0
-            target_step = sum(r["verify_s"] for r in rs) / max(steps, 1)
-            row["draft_cost"] = (sum(r["draft_s"] for r in rs) / drafted) / target_step if drafted else 0.0
-            row["theoretical_speedup"] = theoretical_speedup(row["acceptance_rate"], row["lookahead"],
-                                                             row["draft_cost"])
+            # A mean verification step costs v[k] plain steps: the plain step's time follows from it.
+            verify_step = sum(r["verify_s"] for r in rs) / max(steps, 1)
+            plain_step = verify_step / unit_cost(cost_curve, row["lookahead"])
+            row["draft_cost"] = (sum(r["draft_s"] for r in rs) / drafted) / plain_step if drafted else 0.0
+            theory = theoretical_speedup(row["acceptance_rate"], row["lookahead"], row["draft_cost"], cost_curve)
+            if theory is not None:
+                row["theoretical_speedup"] = theory
         if temperature == 0.0:
             compared = [(r["tokens"], plain_tokens.get((0.0, r["question_id"]))) for r in rs]
             compared = [(t, p) for t, p in compared if p is not None]
