@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.assistgen-installed
 
-.PHONY: install demo test lint bench clean qwen test-qwen
+.PHONY: install demo test lint bench clean qwen test-qwen gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -37,6 +37,11 @@ lint: install
 
 bench: install
 	$(BIN)/python benchmarks/core.py
+
+# On a machine with an NVIDIA GPU: its own environment set-up, tests/test_cuda.py, then a short
+# bfloat16 benchmark beside transformers (benchmarks/gpu.sh; a few minutes).
+gpu-check:
+	PY=$(PY) VENV=$(VENV) bash benchmarks/gpu.sh
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info

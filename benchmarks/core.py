@@ -14,13 +14,14 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
 
 from assistgen import generate, load_model
 from assistgen.api import encode_prompt
 from assistgen.demo import summary_prompt
+from assistgen.devices import model_device
+from assistgen.timing import clock
 from assistgen.transforms import untransformed
 
 PROMPTS = {
@@ -31,17 +32,20 @@ PROMPTS = {
 
 def hf_generate(model, ids, n, **kwargs):
     """transformers' generate() on the model without assistgen's transform; returns (tokens, seconds)."""
+    device = model_device(model)
+    inputs = torch.tensor([ids], device=device)  # [1, n]
     with untransformed(model.hf):
-        t = time.perf_counter()
-        out = model.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                max_new_tokens=n, do_sample=False, **kwargs)
-        return out[0, len(ids):].tolist(), time.perf_counter() - t
+        t = clock(device)
+        out = model.hf.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n, do_sample=False,
+                                **kwargs)
+        return out[0, len(ids):].tolist(), clock(device) - t
 
 
 def ours(model, ids, n, **kwargs):
-    t = time.perf_counter()
+    device = model_device(model)
+    t = clock(device)
     out = generate(model, ids, max_new_tokens=n, **kwargs)
-    return out.token_ids, time.perf_counter() - t, out.stats
+    return out.token_ids, clock(device) - t, out.stats
 
 
 def bench(model_name: str, n: int, repeats: int) -> list[dict]:

@@ -19,6 +19,7 @@ import torch
 from assistgen import generate, load_model
 from assistgen.api import encode_prompt
 from assistgen.demo import summary_prompt
+from assistgen.devices import model_device
 from assistgen.exactness import first_divergence
 from assistgen.transforms import untransformed
 
@@ -38,8 +39,8 @@ PROMPTS = [
 
 def hf_reference(model, ids, n):
     with untransformed(model.hf):
-        out = model.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                max_new_tokens=n, do_sample=False)
+        inputs = torch.tensor([ids], device=model_device(model))  # [1, n]
+        out = model.hf.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n, do_sample=False)
         return out[0, len(ids):].tolist()
 
 

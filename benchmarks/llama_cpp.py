@@ -20,13 +20,14 @@ import os
 import re
 import resource
 import subprocess
-import time
 from pathlib import Path
 
 from assistgen import generate, load_model
 from assistgen.api import encode_prompt
 from assistgen.bench.dataset import default_suite, read_prompts, select
+from assistgen.devices import model_device
 from assistgen.models import EMBEDDED
+from assistgen.timing import clock
 
 
 def run(binary: Path, args: list[str], timeout: float = 900) -> str:
@@ -88,6 +89,7 @@ def main() -> None:
         generate(target, warm, max_new_tokens=4, **method_kwargs(method))
     bench = llama_bench(bins, gguf, args.threads, args.max_new_tokens)
     totals: dict[str, list[float]] = {}  # method -> [tokens, decode seconds, whole seconds]
+    device = model_device(target)
     accept = []
     for prompt in prompts:
         ids = encode_prompt(target, prompt.turns[0], chat=True)
@@ -98,9 +100,9 @@ def main() -> None:
         t[1] += spec["seconds"]
         accept.append(spec["accept"] or 0.0)
         for method in methods:
-            start = time.perf_counter()
+            start = clock(device)
             out = generate(target, ids, max_new_tokens=args.max_new_tokens, **method_kwargs(method))
-            whole = time.perf_counter() - start
+            whole = clock(device) - start
             t = totals.setdefault(f"assistgen {method}", [0.0, 0.0, 0.0])
             t[0] += len(out.token_ids)
             t[1] += out.stats.total_s - out.stats.prefill_s

@@ -14,12 +14,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
 
 from assistgen import generate, load_model
 from assistgen.api import encode_prompt
+from assistgen.devices import model_device
+from assistgen.timing import clock
 from assistgen.transforms import untransformed
 
 PROMPTS = {
@@ -49,22 +50,24 @@ def main(argv=None) -> int:
     assistant = load_model(args.assistant, fast_linear="on")
     counter = ForwardCounter(assistant.hf)
     n = args.tokens
+    device = model_device(target)
 
     def hf(ids, uag: bool, n=n):
         extra = {"assistant_model": assistant.hf, "tokenizer": target.tokenizer,
                  "assistant_tokenizer": assistant.tokenizer} if uag else {}
         with untransformed(target.hf, assistant.hf):
             counter.count = 0
-            t = time.perf_counter()
-            out = target.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                     max_new_tokens=n, do_sample=False, **extra)
-            return out[0, len(ids):].tolist(), time.perf_counter() - t, counter.count
+            inputs = torch.tensor([ids], device=device)  # [1, n]
+            t = clock(device)
+            out = target.hf.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n,
+                                     do_sample=False, **extra)
+            return out[0, len(ids):].tolist(), clock(device) - t, counter.count
 
     def ours(ids, universal: bool, n=n):
         counter.count = 0
-        t = time.perf_counter()
+        t = clock(device)
         out = generate(target, ids, assistant=assistant if universal else None, max_new_tokens=n)
-        return out.token_ids, time.perf_counter() - t, counter.count, out.stats
+        return out.token_ids, clock(device) - t, counter.count, out.stats
 
     rows = []
     for name, text in PROMPTS.items():

@@ -17,6 +17,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from assistgen.devices import model_device
 from assistgen.models import Model
 
 CHARS = string.ascii_letters + string.digits + " .,;:!?'\"-\n()"
@@ -87,17 +88,18 @@ def encode(text: str) -> list[int]:
 def hf_greedy(model: Model, ids: list[int], n: int, stop_at_eos: bool = False) -> list[int]:
     """transformers' own greedy decoding: the reference for exactness (runs all n tokens unless stop_at_eos)."""
     extra = {} if stop_at_eos else {"min_new_tokens": n}
-    out = model.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                            max_new_tokens=n, do_sample=False, **extra)
+    inputs = torch.tensor([ids], device=model_device(model))  # [1, len(ids)]
+    out = model.hf.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n, do_sample=False,
+                            **extra)
     return out[0, len(ids):].tolist()
 
 
 @torch.inference_mode()
 def naive_greedy(model: Model, ids: list[int], n: int) -> list[int]:
     """A plain autoregressive loop without any cache: full forward pass, argmax, append."""
-    seq = list(ids)
+    seq, device = list(ids), model_device(model)
     for _ in range(n):
-        seq.append(int(model.hf(torch.tensor([seq])).logits[0, -1].argmax()))
+        seq.append(int(model.hf(torch.tensor([seq], device=device)).logits[0, -1].argmax()))
     return seq[len(ids):]
 
 

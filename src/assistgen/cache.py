@@ -2,10 +2,10 @@
 
 Contract: `KVCache` owns one Hugging Face `DynamicCache` and the list of token ids it holds, so
 that `len(cache)` is the number of cached positions and `cache.tokens` says which. It runs the
-model's forward pass (batch size 1) and keeps only the logits asked for. Rollback is exact for
-every layer layout transformers builds from a config, including sliding-window layers (Gemma-3),
-which record their past so they can be cropped after the window has filled. It knows nothing about
-drafting or sampling.
+model's forward pass (batch size 1) on the model's device (`device`, taken once when it is made)
+and keeps only the logits asked for. Rollback is exact for every layer layout transformers builds
+from a config, including sliding-window layers (Gemma-3), which record their past so they can be
+cropped after the window has filled. It knows nothing about drafting or sampling.
 """
 
 from __future__ import annotations
@@ -13,10 +13,13 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from assistgen.devices import model_device
+
 
 class KVCache:
     def __init__(self, model: torch.nn.Module):
         self.model = model
+        self.device = model_device(model)  # where ids and positions are made
         self.reset()
 
     def reset(self) -> None:
@@ -37,8 +40,8 @@ class KVCache:
         if not ids:
             raise ValueError("feed() needs at least one token")
         start = len(self.tokens)
-        input_ids = torch.tensor([ids], dtype=torch.long)  # [1, n]
-        positions = torch.arange(start, start + len(ids)).unsqueeze(0)  # [1, n]
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, n]
+        positions = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)  # [1, n]
         out = self.model(
             input_ids=input_ids,
             position_ids=positions,

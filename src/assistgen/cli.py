@@ -12,7 +12,7 @@ import sys
 from assistgen.api import stream
 from assistgen.bench.dataset import DatasetError
 from assistgen.config import ConfigError
-from assistgen.models import EMBEDDED, ModelLoadError, converted_dir, is_cached, is_installed, load_model
+from assistgen.models import DTYPES, EMBEDDED, ModelLoadError, converted_dir, is_cached, is_installed, load_model
 from assistgen.schedules import parse_schedule
 
 
@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--no-fast-linear", action="store_true", help="keep PyTorch's own linear layers")
     add_quantize(gen)
+    add_placement(gen)
     gen.add_argument("--quiet-stats", action="store_true", help="do not print statistics")
 
     sub.add_parser("models", help="list the embedded model aliases and whether each is converted")
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--model", "-m", default="smollm2-135m", help="alias, hub id, local folder or .gguf file")
     cal.add_argument("--refresh", action="store_true", help="measure again instead of reading the cached figures")
     add_quantize(cal)
+    add_placement(cal)
 
     from assistgen.bench.command import add_arguments
 
@@ -69,6 +71,20 @@ def add_quantize(p: argparse.ArgumentParser) -> None:
                    help="weight-only quantization of the model(s) (int8 per channel, int4 in groups); cached on disk")
 
 
+def add_placement(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", help="where the model(s) run: cpu (default), cuda or cuda:N")
+    p.add_argument("--dtype", choices=list(DTYPES),
+                   help="weights and activations (default float32; bfloat16 is the usual choice on a GPU)")
+
+
+def placement(args: argparse.Namespace) -> dict:
+    """load_model's device= and dtype= from --device and --dtype, only those given."""
+    out = {"device": args.device} if args.device else {}
+    if args.dtype:
+        out["dtype"] = DTYPES[args.dtype]
+    return out
+
+
 def settings_from(args: argparse.Namespace) -> dict:
     names = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
     out = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
@@ -80,8 +96,9 @@ def settings_from(args: argparse.Namespace) -> dict:
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     fast = not args.no_fast_linear and "auto"
-    target = load_model(args.model, fast_linear=fast, quantize=args.quantize)
-    assistant = load_model(args.assistant, fast_linear=fast, quantize=args.quantize) if args.assistant else None
+    target = load_model(args.model, fast_linear=fast, quantize=args.quantize, **placement(args))
+    assistant = (load_model(args.assistant, fast_linear=fast, quantize=args.quantize, **placement(args))
+                 if args.assistant else None)
     last = None
     for chunk in stream(target, prompt, assistant=assistant, lookup=args.lookup, schedule=args.schedule,
                         chat=args.chat, early_exit=args.early_exit or False, ngram_cache=args.ngram_cache,
@@ -125,10 +142,11 @@ def runs(values: list, start: int) -> list[tuple[int, int, object]]:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from assistgen.costs import calibration, costs_path
-    from assistgen.transforms import routes_path, tune_routes
+    from assistgen.transforms import is_applied, routes_path, tune_routes
 
-    model = load_model(args.model, quantize=args.quantize)
-    routes = tune_routes(model, refresh=True) if args.refresh else getattr(model.hf, "_assistgen_routes", None)
+    model = load_model(args.model, quantize=args.quantize, **placement(args))
+    refresh_routes = args.refresh and is_applied(model.hf)  # not on a GPU: the routes are CPU kernels
+    routes = tune_routes(model, refresh=True) if refresh_routes else getattr(model.hf, "_assistgen_routes", None)
     record = calibration(model, refresh=args.refresh)
     costs = record["verification_costs"]
     print(f"{model.name}: cost of verifying k draft tokens relative to one plain step, v(k) = t(k+1)/t(1)")

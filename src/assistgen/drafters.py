@@ -21,11 +21,12 @@ and the attributes
                       calibrated agreement), or None: the policy then starts from its own prior.
 Drafters never see the target's cache and never decide acceptance; the generation loop in
 `engine.py` does. Plain decoding is `NoDrafter`.
+A model drafter keeps its tensors on its model's device (its `KVCache` makes ids there, and q rows
+are made from its logits); `attempts` times each proposal with `timing.clock` on the device given.
 """
 
 from __future__ import annotations
 
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -36,6 +37,7 @@ import torch
 from assistgen.cache import KVCache
 from assistgen.models import Model
 from assistgen.sampling import Sampler
+from assistgen.timing import clock
 
 
 @dataclass
@@ -171,7 +173,7 @@ def check_same_tokenizer(target: Model, assistant: Model) -> None:
 
 
 def fit_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:
-    """Trim or pad (with -inf) a [vocab'] logits row to the target's logits width."""
+    """Trim or pad (with -inf) a [vocab'] logits row to the target's logits width, on the logits' device."""
     if logits.shape[-1] == size:
         return logits
     if logits.shape[-1] > size:
@@ -226,16 +228,17 @@ def lookup_continuation(ids: list[int], k: int, max_ngram: int, min_ngram: int) 
     return [], 0
 
 
-def attempts(parts: list, ids: list[int], k_of, sampler: Sampler, min_confidence: float = 0.0):
+def attempts(parts: list, ids: list[int], k_of, sampler: Sampler, min_confidence: float = 0.0, device=None):
     """Ask each drafter in turn for k_of(part) tokens (skipping those given 0), up to the first
-    non-empty draft. Yields (part, draft cut to k and named by its source, seconds it took)."""
+    non-empty draft. Yields (part, draft cut to k and named by its source, seconds it took on a clock
+    that waits for `device`, the generation's: None for the CPU)."""
     for part in parts:
         k = k_of(part)
         if k <= 0:
             continue
-        start = time.perf_counter()
+        start = clock(device)
         draft = part.propose(ids, k, sampler, min_confidence)
-        elapsed = time.perf_counter() - start
+        elapsed = clock(device) - start
         if len(draft.tokens) > k:
             draft.tokens, draft.probs = draft.tokens[:k], None if draft.probs is None else draft.probs[:k]
         draft.source = draft.source or part.name

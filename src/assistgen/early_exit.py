@@ -28,6 +28,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from assistgen.costs import verification_costs
+from assistgen.devices import model_device
 from assistgen.drafters import AssistantDrafter, Draft
 from assistgen.gain import MAX_K, best_draft_length
 from assistgen.models import Model
@@ -189,8 +190,9 @@ def exit_agreement(target: Model, ids: list[int], positions: int | None = SCORED
         raise ValueError(f"calibration needs at least 2 token ids, got {len(ids)}")
     _, _, full = decoder_layers(target.hf)
     norm, head = final_norm(target.hf), target.hf.get_output_embeddings()
-    keep = scored_positions(len(ids), positions)  # [P]
-    out = target.hf(input_ids=torch.tensor([ids]), output_hidden_states=True, logits_to_keep=keep)
+    device = model_device(target)
+    keep = scored_positions(len(ids), positions).to(device)  # [P]
+    out = target.hf(input_ids=torch.tensor([ids], device=device), output_hidden_states=True, logits_to_keep=keep)
     hidden = out.hidden_states  # L+1 of [1, n, hidden]: embeddings, layers 1..L-1, final (normed) output
     if len(hidden) != len(full) + 1:
         raise ValueError(f"{type(target.hf).__name__} returned {len(hidden)} hidden states for {len(full)} layers")

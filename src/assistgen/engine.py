@@ -5,12 +5,13 @@ generating in assistgen (plain decoding, every drafter, the batch API, the CLI, 
 goes through it; plain decoding is the loop with a drafter that proposes nothing. The target's
 KV cache always holds the sequence minus its last token, so one verification feeds
 [last token, d_1 .. d_k] and reads k+1 next-token distributions. Greedy output equals the target's
-own greedy decoding; sampled output follows the target's distribution (see `sampling.py`).
+own greedy decoding; sampled output follows the target's distribution (see `sampling.py`). Every
+figure the loop times (prefill, drafting, verification, the total) is read with `timing.clock` on
+the target's device, taken once from the target (its cache's `device`).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from assistgen.sampling import Sampler, verify_greedy, verify_speculative
 from assistgen.schedules import Schedule, ScheduleRun, Step
 from assistgen.stats import Stats
 from assistgen.text import TextStream
+from assistgen.timing import clock
 
 
 @dataclass
@@ -43,9 +45,10 @@ def stream(
     text = TextStream(target.tokenizer, config.stop)
     stats = Stats(mode=drafter.name, prompt_tokens=len(prompt_ids))
     cache = KVCache(target.hf)
+    device = cache.device  # the target's: every timing below synchronizes it
     ids = list(prompt_ids)
     parts = drafter_parts(drafter)
-    started = time.perf_counter()
+    started = clock(device)
 
     run = schedule.prepare(target, parts, len(prompt_ids), config.greedy)  # this generation's state
     prefill(cache, ids, stats)
@@ -54,7 +57,7 @@ def stream(
         # Draft no more than can be used: the sequence never outgrows the context, and a step emits
         # its accepted tokens plus one, so r tokens still wanted need at most r - 1 draft tokens.
         room = min(context - len(ids), config.max_new_tokens - stats.new_tokens) - 1
-        draft, part, draft_s = propose(parts, ids, run, room, sampler, stats)
+        draft, part, draft_s = propose(parts, ids, run, room, sampler, stats, device)
         n = max(0, min(run.trim(draft, part, room), room))
         accepted, token, p, verify_s = verify(cache, ids, draft, n, sampler, stats)
         cache.crop(len(ids) + accepted)  # roll back the rejected draft positions
@@ -68,7 +71,7 @@ def stream(
         stats.new_tokens += len(new)
         if finish is None and len(ids) >= context:
             finish = "context"
-        stats.total_s = time.perf_counter() - started
+        stats.total_s = clock(device) - started
         if finish:
             stats.finish_reason = finish
             drafter.finish(ids)
@@ -86,20 +89,21 @@ def drafter_parts(drafter: Drafter) -> list:
 
 def prefill(cache: KVCache, ids: list[int], stats: Stats) -> None:
     """Fill the target cache with every prompt token but the last (the first step feeds that one)."""
-    t = time.perf_counter()
+    t = clock(cache.device)
     if len(ids) > 1:
         cache.feed(ids[:-1], logits_to_keep=1)
         stats.target_forward_passes += 1
-    stats.prefill_s += time.perf_counter() - t
+    stats.prefill_s += clock(cache.device) - t
 
 
-def propose(parts: list, ids: list[int], schedule: ScheduleRun, room: int, sampler: Sampler, stats: Stats):
+def propose(parts: list, ids: list[int], schedule: ScheduleRun, room: int, sampler: Sampler, stats: Stats,
+            device=None):
     """Ask each drafter in turn for as many tokens as the schedule wants; the first non-empty draft wins.
 
-    Returns (draft, name of the drafter that made it or "", that drafter's time).
+    Returns (draft, name of the drafter that made it or "", that drafter's time, clocked on `device`).
     """
     for part, draft, elapsed in attempts(parts, ids, lambda p: min(schedule.next_k(p), room), sampler,
-                                         schedule.min_confidence):
+                                         schedule.min_confidence, device):
         stats.draft_forward_passes += draft.forward_passes
         stats.draft_s += elapsed
         if draft.tokens:
@@ -112,7 +116,7 @@ def verify(cache: KVCache, ids: list[int], draft: Draft, n: int, sampler: Sample
 
     Returns (accepted draft tokens, next token, p [n+1, vocab] when sampling else None, seconds).
     """
-    t = time.perf_counter()
+    t = clock(cache.device)
     tokens = draft.tokens[:n]
     logits = cache.feed([ids[-1]] + tokens, logits_to_keep=n + 1)  # [n+1, vocab]
     p = None
@@ -122,7 +126,7 @@ def verify(cache: KVCache, ids: list[int], draft: Draft, n: int, sampler: Sample
         p = sampler.probs(logits)
         q = None if draft.probs is None else draft.probs[:n]
         accepted, token = verify_speculative(p, q, tokens, sampler)
-    elapsed = time.perf_counter() - t
+    elapsed = clock(cache.device) - t
     stats.verify_s += elapsed
     return accepted, token, p, elapsed
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from assistgen.devices import model_device
+
 NEAR_TIE = 1e-4
 
 
@@ -26,7 +28,7 @@ class Divergence:
 
 @torch.inference_mode()
 def top2_margin(hf: torch.nn.Module, ids: list[int]) -> float:
-    top = hf(torch.tensor([ids])).logits[0, -1].float().topk(2).values
+    top = hf(torch.tensor([ids], device=model_device(hf))).logits[0, -1].float().topk(2).values
     return float(top[0] - top[1])
 
 

@@ -7,6 +7,7 @@ decoding. GGUF files are dequantized once (slow) and the float32 result is kept 
 folder (`$ASSISTGEN_CACHE`, default `~/.cache/assistgen`) so that later loads take seconds; a GGUF
 split over numbered packages (`SplitGGUF`) is joined there once, checked by size and sha256. With
 `quantize=`, the model is quantized once (`quantize.py`) and read back from its quantized copy.
+With `device=`, it is moved to that device (a GPU asked for where there is none is refused first).
 Optimizing for speed is a separate explicit step (`transforms.optimize`) that `load_model` calls last.
 """
 
@@ -24,11 +25,15 @@ from urllib.parse import urlparse
 
 import torch
 
+from assistgen.devices import DeviceError, resolve_device
 from assistgen.paths import cache_root, safe_name
 
 
 class ModelLoadError(ValueError):
     """A model spec could not be turned into a model; the message says why and what to do."""
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the names --dtype takes
 
 
 @dataclass(frozen=True)
@@ -189,13 +194,15 @@ def is_cached(alias: str) -> bool:
 def load_model(
     spec: str,
     dtype: torch.dtype = torch.float32,
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
     fast_linear: bool | str = "auto",
     quantize: str | None = None,
 ) -> Model:
     """Load `spec`: an embedded alias, a `.gguf` file, a local model folder or a hub id.
 
-    `quantize` ("int8" | "int4" | None): weight-only quantization (`assistgen.quantize`); the quantized
+    `device`: "cpu", "cuda" or "cuda:N", checked before anything is read (a GPU where this machine or this
+    PyTorch build has none is refused, naming the fix); the model is moved there after loading.
+    `quantize` ("int8" | "int4" | None): weight-only quantization (`assistgen.quantize`, CPU only); the quantized
     model is cached on disk, so later loads read it directly and never hold float weights.
     Then the explicit optimization step `assistgen.transforms.optimize` runs unless `fast_linear` is
     False ("auto": the small-row routes only where they measure faster), and the cost curve the
@@ -207,10 +214,15 @@ def load_model(
     if not isinstance(spec, str) or not spec.strip():
         raise ModelLoadError(f"Empty model name. Use one of {', '.join(EMBEDDED)}, a folder, a .gguf file or a hub id.")
     spec = spec.strip()
+    try:
+        place = resolve_device(device)
+    except DeviceError as e:
+        raise ModelLoadError(str(e)) from e
     scheme = check_scheme(quantize)
-    if scheme and device != "cpu":
-        raise ModelLoadError(f"--quantize {scheme} runs on PyTorch's CPU kernels: load it with device='cpu', "
-                             f"or drop quantize for {device}.")
+    if scheme and place.type != "cpu":
+        raise ModelLoadError(f"quantize={scheme!r} runs on PyTorch's CPU kernels (int4 packing has no GPU form here, "
+                             "and int8 is checked row-independent on the CPU only): load it with device='cpu', or "
+                             f"on {device} drop quantize and load bfloat16 weights (dtype=torch.bfloat16).")
     source = _source(spec)
     if scheme is None:
         model = source.load(dtype)
@@ -224,8 +236,8 @@ def load_model(
             _say(f"Quantizing {source.name} to {scheme} (once; cached in {folder}).")
             quantize_model(model.hf, scheme)
             save_quantized(model.hf, model.tokenizer, folder)
-    model.hf.to(device)
-    model.cache_key = f"{spec}-{str(dtype).removeprefix('torch.')}-{device}" + (f"-{scheme}" if scheme else "")
+    model.hf.to(place)
+    model.cache_key = f"{spec}-{str(dtype).removeprefix('torch.')}-{place}" + (f"-{scheme}" if scheme else "")
     model.quantization = scheme
     if fast_linear:
         from assistgen.costs import verification_costs

@@ -20,6 +20,11 @@ verification step (at most 1 + MAX_K rows); above that (a long prompt's prefill,
 in plain and assisted decoding) a layer dequantizes its weight to bfloat16 and runs one matrix
 product, which is faster for many rows. `row_independent(layer)` checks the property.
 
+Device: the kernels used here are CPU kernels (`_weight_int4pack_mm_for_cpu` and its packing have no
+GPU form; PyTorch has a CUDA `_weight_int8pack_mm`, but its row independence is not checked here), so
+`quantize` refuses weights that are not on the CPU with a `DeviceError` naming the way out
+(quantize on the CPU, or run the unquantized model in bfloat16 on the GPU).
+
 `save_quantized` / `load_quantized` keep a quantized model on disk (a state dict next to the
 config and tokenizer), so a second load builds the module tree with empty weights and reads the
 quantized buffers directly: no floating-point copy of the weights is ever made again.
@@ -33,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from assistgen.devices import require_cpu
 from assistgen.transforms import replace_module
 
 SCHEMES = ("int8", "int4")
@@ -46,6 +52,10 @@ COMPUTE = torch.bfloat16  # what the kernels take as activations
 
 class QuantizeError(ValueError):
     """The model or the scheme cannot be quantized; the message names what is supported."""
+
+
+ON_GPU = ("quantize on the CPU (load_model(spec, quantize=..., device='cpu')), or on a GPU load the model "
+          "unquantized in bfloat16 (load_model(spec, dtype=torch.bfloat16, device='cuda')).")
 
 
 def check_scheme(scheme: str | None) -> str | None:
@@ -236,7 +246,8 @@ def _embed_scale(module: torch.nn.Module):
 
 
 def plan(hf: torch.nn.Module, scheme: str) -> dict[str, dict]:
-    """What `quantize` will swap: {module name: spec}; raises QuantizeError for a model it cannot quantize."""
+    """What `quantize` will swap: {module name: spec}; raises QuantizeError for a model it cannot quantize
+    (DeviceError for one whose weights are not on the CPU)."""
     scheme = check_scheme(scheme)
     from transformers.pytorch_utils import Conv1D
 
@@ -246,6 +257,7 @@ def plan(hf: torch.nn.Module, scheme: str) -> dict[str, dict]:
             raise QuantizeError(f"{type(hf).__name__} uses GPT-2-style Conv1D layers ({name}); int8/int4 quantization "
                                 "supports models built from nn.Linear layers (Llama, Qwen2, Gemma, Mistral, ...).")
         if isinstance(m, torch.nn.Linear):
+            require_cpu(m.weight.device, f"{scheme} quantization ({name})", ON_GPU)
             if scheme == "int4":
                 group = group_size(m.in_features)
                 if group is None:
@@ -259,6 +271,7 @@ def plan(hf: torch.nn.Module, scheme: str) -> dict[str, dict]:
         raise QuantizeError(f"{type(hf).__name__} has no nn.Linear layers to quantize.")
     embedding = hf.get_input_embeddings()
     embed_name = next(n for n, m in hf.named_modules() if m is embedding)
+    require_cpu(embedding.weight.device, f"{scheme} quantization ({embed_name})", ON_GPU)
     specs[embed_name] = {"kind": "embedding", "embed_scale": _embed_scale(embedding)}
     return specs
 
@@ -279,15 +292,13 @@ def _tied(hf: torch.nn.Module) -> bool:
 
 @torch.no_grad()
 def quantize(hf: torch.nn.Module, scheme: str) -> torch.nn.Module:
-    """Swap the linears and the embedding of a loaded model for quantized modules (in place); returns hf."""
+    """Swap the linears and the embedding of a loaded model on the CPU for quantized modules (in place); returns hf."""
     specs = plan(hf, scheme)
     dtype = hf.get_input_embeddings().weight.dtype
     tied = hf.get_input_embeddings().weight if _tied(hf) else None  # an int8 head and embedding tied to one
     shared: tuple | None = None  # float weight share its int8 rows too
     for name, spec in specs.items():
         old = hf.get_submodule(name)
-        if old.weight.device.type != "cpu":
-            raise QuantizeError(f"int8/int4 weights run on the CPU kernels only; {name} is on {old.weight.device}.")
         new = _empty_module(spec, tuple(old.weight.shape), dtype, "cpu")  # weight [out, in] or [vocab, dim]
         if spec["kind"] == "int4":
             new.set_weight(old.weight)

@@ -9,8 +9,11 @@ Vocabulary (as in Leviathan et al. 2023 and vLLM's rejection sampler):
 - bonus token: when every draft token is accepted, one more token drawn from p.
 Each verification step therefore emits accepted + 1 tokens.
 
-Contract: pure functions of tensors plus a seeded `torch.Generator`; greedy is its own explicit
-branch (argmax), never a small temperature. Nothing here knows about models or caches.
+Contract: pure functions of tensors plus seeded `torch.Generator`s; greedy is its own explicit
+branch (argmax), never a small temperature. Draws happen on the device of the probabilities
+given (the target's, for p; q is moved there when a drafter runs elsewhere), each device with its
+own generator made on first use and seeded with the same seed, so the stream on the CPU is the
+same whatever other devices join. Nothing here knows about models or caches.
 """
 
 from __future__ import annotations
@@ -21,16 +24,25 @@ from assistgen.config import GenerationConfig
 
 
 class Sampler:
-    """Applies temperature, top-k and top-p and draws tokens with one seeded generator."""
+    """Applies temperature, top-k and top-p and draws tokens with seeded generators (one per device)."""
 
     def __init__(self, config: GenerationConfig):
         self.config = config
         self.greedy = config.greedy
-        self.generator = torch.Generator()
+        self.generator = torch.Generator()  # the CPU's: uniforms, and draws from CPU probabilities
         if config.seed is not None:
             self.generator.manual_seed(config.seed)
         else:
             self.generator.seed()
+        self.generators = {self.generator.device: self.generator}
+
+    def generator_for(self, device: torch.device) -> torch.Generator:
+        """The generator that draws on `device`, made on first use with the CPU generator's seed."""
+        generator = self.generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device).manual_seed(self.generator.initial_seed())
+            self.generators[device] = generator
+        return generator
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [n, vocab] -> processed probabilities [n, vocab] (float32)."""
@@ -44,8 +56,8 @@ class Sampler:
         return torch.softmax(logits, dim=-1)
 
     def draw(self, probs: torch.Tensor) -> int:
-        """probs [vocab] -> one token id."""
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        """probs [vocab] -> one token id, drawn on probs' device."""
+        return int(torch.multinomial(probs, 1, generator=self.generator_for(probs.device)))
 
     def uniform(self) -> float:
         return float(torch.rand((), generator=self.generator))
@@ -79,12 +91,15 @@ def verify_speculative(
 ) -> tuple[int, int]:
     """Speculative sampling, Leviathan et al. 2023, Algorithm 1.
 
-    p: [k+1, vocab] target probabilities; q: [k, vocab] draft probabilities, or None for a
-    drafter without probabilities (then q is one-hot on each draft token, which is the same as
-    sampling y ~ p and accepting the draft token only if y equals it).
+    p: [k+1, vocab] target probabilities; q: [k, vocab] draft probabilities (moved to p's device if
+    the drafter runs on another one), or None for a drafter without probabilities (then q is one-hot
+    on each draft token, which is the same as sampling y ~ p and accepting the draft token only if y
+    equals it).
     Accept draft token x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection
     draw the recovered token from norm(max(p_i - q_i, 0)); if all are accepted draw a bonus from p_k.
     """
+    if q is not None:
+        q = q.to(p.device)  # the same tensor when it is already there
     for i, x in enumerate(draft):
         p_x = float(p[i, x])
         q_x = 1.0 if q is None else float(q[i, x])

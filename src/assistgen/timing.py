@@ -1,10 +1,12 @@
 """Timing a model: the one clock and the step-time measurement that route tuning and the cost model share.
 
 Contract: `clock(device)` reads a monotonic clock after the device has finished its queued work (a
-GPU runs asynchronously, so an unsynchronized clock would time kernel launches); `step_times(model)`
+GPU runs asynchronously, so an unsynchronized clock would time kernel launches; on the CPU it is the
+bare clock): every figure the policy or a benchmark uses is read through it. `step_times(model)`
 returns the seconds of one forward pass over n = 1..max_k+1 new tokens after a short context;
-`machine()` names this machine's set-up, and `measurement_path` is where a measurement of a model on
-it is cached. It knows nothing about policies or routes.
+`machine(device)` names this machine's set-up (and the GPU, for a model on one), and
+`measurement_path` is where a measurement of a model on it is cached. It knows nothing about
+policies or routes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 
 import torch
 
+from assistgen.devices import accelerator, model_device
 from assistgen.gain import MAX_K
 from assistgen.paths import cache_root, safe_name
 
@@ -25,15 +28,6 @@ def clock(device: torch.device | str | None = None) -> float:
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
-
-
-def model_device(model) -> torch.device:
-    """The device of a model's first parameter or buffer: the one home of 'where does it run'."""
-    for tensor in model.hf.parameters():
-        return tensor.device
-    for tensor in model.hf.buffers():
-        return tensor.device
-    return torch.device("cpu")
 
 
 @torch.inference_mode()
@@ -60,16 +54,19 @@ def step_times(model, max_k: int = MAX_K, context: int = 128, repeats: int = 3) 
     return times
 
 
-def machine() -> list[str]:
-    """What makes timings on this machine differ from another's: software versions, processor, threads."""
+def machine(device: torch.device | str | None = None) -> list[str]:
+    """What makes timings on this machine differ from another's: software versions, processor, threads, and
+    for a `device` on a GPU its name and compute capability (nothing more for the CPU: the same keys as before)."""
     from transformers import __version__ as transformers_version
 
-    return [torch.__version__, transformers_version, platform.machine(), _cpu_name(), str(torch.get_num_threads())]
+    return [torch.__version__, transformers_version, platform.machine(), _cpu_name(), str(torch.get_num_threads()),
+            *accelerator(device)]
 
 
 def measurement_key(model, *extra: str) -> str:
     """A fingerprint of a model on this machine: its identity, size and software set-up, plus `extra`."""
-    parts = [model.cache_key or model.name, str(sum(p.numel() for p in model.hf.parameters())), *machine(), *extra]
+    parts = [model.cache_key or model.name, str(sum(p.numel() for p in model.hf.parameters())),
+             *machine(model_device(model)), *extra]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

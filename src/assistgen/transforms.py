@@ -21,7 +21,10 @@ weights are final. Quantized models (`quantize.py`) have no `nn.Linear` left and
 
 Contract: the result is the same product; floating-point summation order may differ in the last
 bits between routes and row counts, which can only change an argmax at a near-tie. `mode` "auto"
-applies it only if a quick measurement on the model's largest linear layer finds it faster.
+applies it only if a quick measurement on the model's largest linear layer finds it faster. The
+routes are CPU kernels: `optimize` leaves them out for a model on a GPU (PyTorch's own linear runs
+there), and asking for them directly on weights elsewhere (`small_rows_linear`, `SmallRowsLinear`,
+`tune_routes`) raises a `DeviceError` that says so.
 
 `grouped_query_attention(model)`: transformers' SDPA attention, for several new tokens over a KV
 cache (a verification step) with grouped-query heads, first copies every cached key and value
@@ -43,16 +46,23 @@ import time
 import torch
 import torch.nn.functional as F
 
+from assistgen.devices import model_device, require_cpu
+from assistgen.timing import clock, measurement_path, step_times
+
 DEFAULT_MAX_ROWS = 32
 ROUTES = ("mkl", "onednn")
 PAD_GAIN = 0.97  # a padded row count is taken only when it measures at least 3% faster
+CPU_ONLY = "The small-row linear transform"
+ON_GPU = ("on a GPU PyTorch's own linear layers are the fast path, so leave the transform out "
+          "(load_model(..., fast_linear=False), or transforms.optimize, which skips it there), or move the model "
+          "to the CPU first.")
 
 
 def optimize(model, mode: str = "auto") -> None:
     """The explicit optimization step after loading: grouped-query (or, quantized, row-by-row) attention,
-    then the small-row linear routes, tuned per row count on this machine."""
+    then, on the CPU, the small-row linear routes, tuned per row count on this machine."""
     grouped_query_attention(model.hf, row_independent=model.quantization is not None)
-    if small_rows_linear(model.hf, mode=mode):
+    if model_device(model).type == "cpu" and small_rows_linear(model.hf, mode=mode):
         tune_routes(model)
 
 
@@ -87,6 +97,7 @@ class SmallRowsLinear(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear, routes: list[str], padded: list[int], packed: PackedWeight):
         super().__init__()
+        require_cpu(linear.weight.device, CPU_ONLY, ON_GPU)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # the same Parameters (a tied head stays tied)
         self.routes, self.padded, self.packed = routes, padded, packed
@@ -154,6 +165,8 @@ def small_rows_linear(
     swapped = _swapped(model)
     if not linears and not swapped:
         return False
+    for _, m in linears:  # refused before anything is swapped
+        require_cpu(m.weight.device, CPU_ONLY, ON_GPU)
     if mode == "auto" and not swapped and not measures_faster(max((m for _, m in linears),
                                                                   key=lambda m: m.weight.numel())):
         return False
@@ -328,9 +341,9 @@ def measures_faster(layer: torch.nn.Linear, rows: int = 4, repeats: int = 5) -> 
         fn()
         times = []
         for _ in range(repeats):
-            t = time.perf_counter()
+            t = clock(x.device)
             fn()
-            times.append(time.perf_counter() - t)
+            times.append(clock(x.device) - t)
         return min(times)
 
     plain = best(lambda: F.linear(x, layer.weight, layer.bias))
@@ -343,16 +356,14 @@ def measures_faster(layer: torch.nn.Linear, rows: int = 4, repeats: int = 5) -> 
 
 
 def routes_path(model):
-    from assistgen.timing import measurement_path
-
     return measurement_path("routes", model, f"attention={grouped_attention_applied(model.hf)}", "routes=v3")
 
 
 def tune_routes(model, refresh: bool = False) -> dict | None:
     """Give the transformed model's linears the fastest route (and padding) per row count: from memory,
-    from disk, or measured now by timing the whole model on each route (and saved). Returns the record."""
-    from assistgen.timing import step_times
-
+    from disk, or measured now by timing the whole model on each route (and saved). Returns the record.
+    CPU only: a model on another device raises `DeviceError`."""
+    require_cpu(model_device(model), CPU_ONLY, ON_GPU)
     if not is_applied(model.hf):
         return None
     path = routes_path(model) if model.cache_key else None

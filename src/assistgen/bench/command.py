@@ -1,8 +1,9 @@
 """`assistgen bench`: wires the command line to dataset, runner and report, and prints the results.
 
-Output: a readable table on stdout, then one JSON line last (figures, the verification-cost curve
-and the settings). `--out` appends one record per prompt and method as it goes; `--plot` draws
-speed-ups per category and per temperature (or lookahead).
+Output: a readable table on stdout, then one JSON line last (figures, the verification-cost curve,
+the settings, peak memory: the process's, and the GPU's with `--device cuda`). `--out` appends one
+record per prompt and method as it goes; `--plot` draws speed-ups per category and per temperature
+(or lookahead).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from pathlib import Path
 from assistgen.bench.dataset import default_suite, read_prompts, select
 from assistgen.bench.report import aggregate, format_table, plot
 from assistgen.bench.runner import Runner, parse_method, run_bench, terminal_progress
+from assistgen.cli import add_placement, placement
 from assistgen.costs import verification_costs
+from assistgen.devices import model_device
 from assistgen.models import load_model
 
 
@@ -40,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fast-linear", action="store_true", help="keep PyTorch's own linear layers")
     p.add_argument("--quantize", help="int8 | int4: assistgen's methods run the quantized model(s); transformers' "
                                       "methods run the unquantized ones, loaded beside them")
+    p.add_argument("--repeats", type=int, default=1, help="run every prompt and method this many times (interleaved)")
+    add_placement(p)
 
 
 def methods_from(args: argparse.Namespace) -> list:
@@ -63,6 +68,15 @@ def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
+def peak_gpu_mb(device) -> float | None:
+    """The peak memory PyTorch allocated on a CUDA `device` so far, in MiB (None for the CPU)."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+
+
 def run_command(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.dataset or default_suite())
     prompts = select(prompts, args.categories.split(",") if args.categories else None, args.n, args.seed)
@@ -74,21 +88,28 @@ def run_command(args: argparse.Namespace) -> int:
         raise ValueError("--max-new-tokens must be at least 1.")
     if not 1 <= args.turn:
         raise ValueError("--turn counts from 1.")
+    if args.repeats < 1:
+        raise ValueError("--repeats must be at least 1.")
     fast = not args.no_fast_linear and "auto"
-    target = load_model(args.model, fast_linear=fast, quantize=args.quantize)
-    assistant = load_model(args.assistant, fast_linear=fast, quantize=args.quantize) if args.assistant else None
+    where = placement(args)
+    target = load_model(args.model, fast_linear=fast, quantize=args.quantize, **where)
+    assistant = (load_model(args.assistant, fast_linear=fast, quantize=args.quantize, **where)
+                 if args.assistant else None)
     runner = Runner(target, assistant, args.max_new_tokens, args.chat, args.turn, args.seed)
     if args.quantize and any(m.engine == "hf" for m in methods):
-        runner.hf_target = load_model(args.model, fast_linear=False)
+        runner.hf_target = load_model(args.model, fast_linear=False, **where)
         if assistant is not None and any(m.engine == "hf" and m.needs_assistant for m in methods):
-            runner.hf_assistant = load_model(args.assistant, fast_linear=False)
+            runner.hf_assistant = load_model(args.assistant, fast_linear=False, **where)
     records, ran = run_bench(runner, prompts, methods, temperatures, Path(args.out) if args.out else None,
-                             terminal_progress)
+                             terminal_progress, args.repeats)
     curve = None if args.no_cost_curve else verification_costs(target)
     rows = aggregate(records, curve)
     print(format_table(rows))
     quantized = f" (quantized {args.quantize})" if args.quantize else ""
-    print(f"peak RSS of this run: {peak_rss_mb():,.0f} MiB{quantized}")
+    device = model_device(target)
+    gpu = peak_gpu_mb(device)
+    print(f"peak RSS of this run: {peak_rss_mb():,.0f} MiB{quantized}"
+          + (f"; peak GPU memory on {device}: {gpu:,.0f} MiB" if gpu is not None else ""))
     if curve:
         print(f"verification cost t(n)/t(1), n = 1..{len(curve)} tokens per forward: "
               + " ".join(f"{x:.2f}" for x in curve))
@@ -97,7 +118,9 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"plot written to {args.plot}")
     print(json.dumps({"benchmark": "assistgen-bench", "model": target.name,
                       "assistant": assistant.name if assistant else None, "quantize": args.quantize,
-                      "prompts": len(prompts), "peak_rss_mb": peak_rss_mb(),
+                      "device": str(device), "dtype": str(target.hf.dtype).removeprefix("torch."),
+                      "repeats": args.repeats, "prompts": len(prompts), "peak_rss_mb": peak_rss_mb(),
+                      "peak_gpu_mb": gpu,
                       "methods": [m.spec for m in methods], "temperatures": temperatures,
                       "max_new_tokens": args.max_new_tokens, "runs_this_time": ran, "cost_curve": curve,
                       "rows": rows}))

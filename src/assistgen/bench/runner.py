@@ -6,18 +6,19 @@ Contract: a method is `plain`, or drafting sources joined by `+` (tried in that 
 policy), or `hf-plain`, `hf-lookup`, `hf-assistant` (transformers' `generate()` on the
 unmodified model: prompt_lookup_num_tokens=10, assistant_model=..., and universal assisted
 generation with tokenizer=/assistant_tokenizer= when the tokenizers differ). For each prompt and
-temperature every method runs once, one after the other (A B C, A B C, ...), so drift on a noisy
-machine hits all alike. Each run becomes one record (a dict) appended to the results file at once;
-a rerun with the same file skips the records already there. The n-gram cache learns across prompts
-in the order they run, but never from an earlier run of the same prompt: each run drafts from a
-copy of what the previous prompts taught it.
+temperature every method runs once, one after the other (A B C, A B C, ...; `repeats` times over),
+so drift on a noisy machine hits all alike. Runs are timed with `timing.clock` on the target's
+device (a GPU is synchronized before the clock is read), on inputs made there. Each run becomes
+one record (a dict) appended to the results file at once; a rerun with the same file skips the
+records already there. The n-gram cache learns across prompts in the order they run, but never
+from an earlier run of the same prompt: each run drafts from a copy of what the previous prompts
+taught it.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +27,11 @@ import torch
 
 from assistgen.api import encode_prompt, generate
 from assistgen.bench.dataset import Prompt
+from assistgen.devices import model_device
 from assistgen.drafters import same_tokenizer
 from assistgen.models import Model
 from assistgen.schedules import parse_schedule
+from assistgen.timing import clock
 from assistgen.transforms import untransformed
 
 SOURCES = ("lookup", "ngram", "assistant", "early-exit")
@@ -108,11 +111,12 @@ class Runner:
         """After every method ran on a prompt: the n-gram cache remembers it for the next prompts."""
         self.ngram_cache.add(ids + tokens)
 
-    def key(self, prompt: Prompt, method: Method, temperature: float) -> str:
+    def key(self, prompt: Prompt, method: Method, temperature: float, repeat: int = 0) -> str:
         assistant = self.assistant.name if self.assistant else "-"
         quantized = f"|q={self.target.quantization}" if self.target.quantization else ""
+        again = f"|repeat={repeat}" if repeat else ""  # the first run keeps the key it always had
         return (f"{self.target.name}{quantized}|{assistant}|{prompt.question_id}|{method.spec}|t={temperature}"
-                f"|n={self.max_new_tokens}|turn={self.turn}|chat={self.chat}")
+                f"|n={self.max_new_tokens}|turn={self.turn}|chat={self.chat}{again}")
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         return encode_prompt(self.target, prompt.turns[self.turn - 1], chat=self.chat)
@@ -141,10 +145,11 @@ class Runner:
                   "ngram_cache": self.ngram_cache.copy() if "ngram" in method.sources else False}
         if method.schedule:
             kwargs["schedule"] = parse_schedule(method.schedule)
-        start = time.perf_counter()
+        device = model_device(self.target)
+        start = clock(device)
         out = generate(self.target, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=self.seed,
                        **kwargs)
-        seconds = time.perf_counter() - start
+        seconds = clock(device) - start
         s = out.stats
         return {"tokens": out.token_ids, "seconds": seconds, "mode": s.mode, "steps": s.steps,
                 "drafted": s.drafted_tokens, "accepted": s.accepted_tokens, "draft_s": s.draft_s,
@@ -165,13 +170,15 @@ class Runner:
             if not same_tokenizer(target, assistant):
                 kwargs.update(tokenizer=target.tokenizer, assistant_tokenizer=assistant.tokenizer)
         models = [target.hf] + ([assistant.hf] if method.drafter == "assistant" else [])
+        device = model_device(target)
+        inputs = torch.tensor([ids], device=device)  # [1, n]
         with untransformed(*models):
-            torch.manual_seed(self.seed)
-            start = time.perf_counter()
-            out = target.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                          pad_token_id=target.tokenizer.pad_token_id
-                                          or (target.eos_token_ids or (0,))[0], **kwargs)
-            seconds = time.perf_counter() - start
+            torch.manual_seed(self.seed)  # seeds the CPU and every GPU
+            start = clock(device)
+            out = target.hf.generate(inputs, attention_mask=torch.ones_like(inputs),
+                                     pad_token_id=target.tokenizer.pad_token_id
+                                     or (target.eos_token_ids or (0,))[0], **kwargs)
+            seconds = clock(device) - start
         return {"tokens": out[0, len(ids):].tolist(), "seconds": seconds, "mode": method.spec}
 
 
@@ -196,26 +203,27 @@ def run_bench(
     temperatures: list[float] = (0.0,),
     out: Path | None = None,
     progress: Callable[[int, int, str], None] | None = None,
+    repeats: int = 1,
 ) -> tuple[list[dict], int]:
-    """Run every method on every prompt (interleaved). Returns (all records, number of new runs)."""
+    """Run every method on every prompt (interleaved), `repeats` times. Returns (all records, number of new runs)."""
     done = load_done(out)
     prompts = [p for p in prompts if len(p.turns) >= runner.turn]
-    todo = [(p, t, m) for p in prompts for t in temperatures for m in methods
-            if runner.key(p, m, t) not in done]
+    todo = [(p, t, r, m) for p in prompts for t in temperatures for r in range(repeats) for m in methods
+            if runner.key(p, m, t, r) not in done]
     if todo:  # one short warm-up per method: first calls pay one-off allocation costs
         ids = runner.prompt_ids(todo[0][0])
         for m in methods:
             runner.run(m, ids, todo[0][1], max_new_tokens=4)
     records = dict(done)
     teach = NGramTeacher(runner, prompts, records) if any("ngram" in m.sources for m in methods) else None
-    for i, (prompt, temperature, method) in enumerate(todo):
+    for i, (prompt, temperature, repeat, method) in enumerate(todo):
         if progress:
             progress(i, len(todo), f"{prompt.question_id} {method.spec} t={temperature}")
         if teach:
             teach.before(prompt)
         ids = runner.prompt_ids(prompt)
         record = runner.run(method, ids, temperature, runner.max_new_tokens)
-        record.update(key=runner.key(prompt, method, temperature), model=runner.target.name,
+        record.update(key=runner.key(prompt, method, temperature, repeat), repeat=repeat, model=runner.target.name,
                       assistant=runner.assistant.name if runner.assistant else None,
                       question_id=prompt.question_id, category=prompt.category, method=method.spec,
                       temperature=temperature, max_new_tokens=runner.max_new_tokens, prompt_tokens=len(ids),
@@ -226,7 +234,7 @@ def run_bench(
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
     if progress:
         progress(len(todo), len(todo), "done")
-    wanted = {runner.key(p, m, t) for p in prompts for t in temperatures for m in methods}
+    wanted = {runner.key(p, m, t, r) for p in prompts for t in temperatures for r in range(repeats) for m in methods}
     return [r for k, r in records.items() if k in wanted], len(todo)
 
 
