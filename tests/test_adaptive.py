@@ -104,7 +104,8 @@ def test_a_cheap_drafter_is_trimmed_to_zero_when_wrong_and_comes_back_when_right
 
 def test_a_costly_drafter_is_switched_off_probed_and_switched_back_on():
     part = Costly()
-    policy = Adaptive(costs=[1.0 + 0.1 * k for k in range(17)], drafter_cost_prior=0.3, probe_share=0.05).prepare(
+    # A flat cost curve (a GPU's): catching up on the tokens missed while off is cheap, so probes fit the budget.
+    policy = Adaptive(costs=[1.0 + 0.01 * k for k in range(17)], drafter_cost_prior=0.3, probe_share=0.05).prepare(
         None, [part])
     ks = []
     for _ in range(60):  # drafts are always rejected
@@ -155,7 +156,7 @@ def test_verification_costs_are_measured_once_and_cached_on_disk(tmp_path, monke
 
 
 def test_a_probe_that_must_catch_up_on_a_long_prompt_waits_longer():
-    settings = Adaptive(costs=[1.0 + 0.1 * k for k in range(17)], drafter_cost_prior=0.5, probe_share=0.05)
+    settings = Adaptive(costs=[1.0 + 0.01 * k for k in range(17)], drafter_cost_prior=0.5, probe_share=0.05)
     short = settings.prepare(None, [Costly()], prompt_length=10)
     long = settings.prepare(None, [Costly()], prompt_length=5000)  # a probe would first feed 5000 tokens to it
     for policy in (short, long):
@@ -164,6 +165,30 @@ def test_a_probe_that_must_catch_up_on_a_long_prompt_waits_longer():
             if policy.next_k(Costly()) == 0:
                 policy.update(step([], "", 0, 0, token=1))
     assert short.probes >= 2 and long.probes == 0
+
+
+def test_a_costly_drafter_starts_only_when_its_catch_up_on_the_prompt_pays():
+    """Drafting is expected to pay per step, but first the assistant must read the prompt: worth it for a short
+    prompt or a long generation, not for a long prompt followed by a few tokens."""
+    settings = Adaptive(costs=[1.0 + 0.02 * k for k in range(17)], drafter_cost_prior=0.2)
+
+    def first_k(prompt_length, budget):
+        return settings.prepare(None, [Costly()], prompt_length=prompt_length, budget=budget).next_k(Costly())
+
+    assert first_k(20, 64) > 0
+    assert first_k(1500, 64) == 0  # catching up costs 0.2 * 1500 * 1.32 / 17 = 23 plain steps; drafting saves ~14
+    assert first_k(1500, 4096) > 0
+    assert first_k(1500, None) > 0  # no budget known: the catch-up is assumed to pay
+
+
+def test_a_drafter_that_drafted_last_step_pays_no_catch_up():
+    settings = Adaptive(costs=[1.0 + 0.02 * k for k in range(17)], drafter_cost_prior=0.2)
+    policy = settings.prepare(None, [Costly()], prompt_length=20, budget=64)
+    k = policy.next_k(Costly())
+    policy.update(step([4] * k, "assistant", k, k, token=4))
+    assert policy.catch_up_cost("assistant", 0.2) == 0.0
+    policy.update(step([], "", 0, 0, token=4))  # a step without it: it now has 1 token to catch up on
+    assert policy.catch_up_cost("assistant", 0.2) == pytest.approx(0.2 * 1 * 1.32 / 17)
 
 
 def test_a_new_source_starts_from_its_drafters_pooled_estimate():

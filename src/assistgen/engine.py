@@ -50,7 +50,7 @@ def stream(
     parts = drafter_parts(drafter)
     started = clock(device)
 
-    run = schedule.prepare(target, parts, len(prompt_ids), config.greedy)  # this generation's state
+    run = schedule.prepare(target, parts, len(prompt_ids), config.greedy, config.max_new_tokens)  # its state
     prefill(cache, ids, stats)
     finish = None
     while finish is None:

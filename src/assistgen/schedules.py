@@ -2,9 +2,10 @@
 
 Contract: a schedule is split in two. The `Schedule` the user passes holds settings only: a frozen
 dataclass, shared freely between generations and threads, never changed by a generation. Its
-    prepare(target, parts, prompt_length, greedy) -> ScheduleRun
+    prepare(target, parts, prompt_length, greedy, budget) -> ScheduleRun
 is called once per generation, before the first step (parts: the drafters, cheapest first; greedy:
-whether the generation is greedy), and returns that generation's `ScheduleRun`, which holds
+whether the generation is greedy; budget: the most new tokens it may emit, None when unknown), and
+returns that generation's `ScheduleRun`, which holds
 whatever the generation learns and answers the loop in `engine.py`:
     next_k(part) -> int         how many tokens to ask `part` for (0: skip it this step);
     trim(draft, part, room) -> int  how many of the proposed tokens to verify (<= len(draft.tokens));
@@ -72,7 +73,7 @@ class Schedule(Protocol):
     """Lookahead settings (immutable); `prepare` begins one generation's run."""
 
     def prepare(self, target: Model | None, parts: list[Drafter], prompt_length: int = 0,
-                greedy: bool = True) -> ScheduleRun: ...
+                greedy: bool = True, budget: int | None = None) -> ScheduleRun: ...
 
 
 def check_k(name: str, k: int, low: int) -> None:
@@ -91,7 +92,8 @@ class Constant:
     def __post_init__(self):
         check_k("lookahead k", self.k, 0)
 
-    def prepare(self, target=None, parts=(), prompt_length: int = 0, greedy: bool = True) -> Constant:
+    def prepare(self, target=None, parts=(), prompt_length: int = 0, greedy: bool = True,
+                budget: int | None = None) -> Constant:
         return self
 
     def next_k(self, part=None) -> int:
@@ -123,7 +125,8 @@ class Heuristic:
         if not 1 <= self.min_k <= self.start <= self.max_k:
             raise ValueError(f"need 1 <= min_k <= start <= max_k, got {self.min_k}, {self.start}, {self.max_k}")
 
-    def prepare(self, target=None, parts=(), prompt_length: int = 0, greedy: bool = True) -> HeuristicRun:
+    def prepare(self, target=None, parts=(), prompt_length: int = 0, greedy: bool = True,
+                budget: int | None = None) -> HeuristicRun:
         return HeuristicRun(self)
 
 
@@ -231,7 +234,10 @@ class Adaptive:
     unverified tokens are still checked against the token the target emits, so their estimate
     keeps learning while speculation is off. Costlier drafters are asked for the best k directly;
     while that is 0 they are probed with k = 1 now and then, spending at most `probe_share` of
-    the time, so drafting comes back when the text becomes predictable. Settings only: each
+    the time, so drafting comes back when the text becomes predictable. A costly drafter must first
+    read the tokens it has not seen (at its first use, the whole prompt): it is switched on only when
+    drafting at the expected gain for the rest of the generation saves more than that catch-up costs,
+    priced from the measured cost curve (`AdaptiveRun.catch_up_pays`). Settings only: each
     generation's estimates live in the `AdaptiveRun` that `prepare` returns.
     """
 
@@ -244,7 +250,6 @@ class Adaptive:
     # (benchmarks/lookup_ceiling.py); model drafters, whose every drafted token costs, keep the plain estimate.
     unseen_floor: float = 0.7
     probe_share: float = 0.01  # at most this share of time probes a drafter that is switched off
-    prefill_speedup: float = 16.0  # a drafter catches up on unseen tokens this many times faster than it drafts
     free_cost: float = 0.02  # drafters cheaper than this per token are trimmed after proposing
     cost_weight: float = 0.2  # EMA weight of a new timing (drafter cost, plain-step time; greedy runs only)
     min_confidence: float = 0.0
@@ -261,8 +266,8 @@ class Adaptive:
             raise ValueError(f"need 0 < cost_weight <= 1, got {self.cost_weight}")
 
     def prepare(self, target: Model | None, parts: list[Drafter], prompt_length: int = 0,
-                greedy: bool = True) -> AdaptiveRun:
-        return AdaptiveRun(self, target, parts, prompt_length, measure=greedy)
+                greedy: bool = True, budget: int | None = None) -> AdaptiveRun:
+        return AdaptiveRun(self, target, parts, prompt_length, measure=greedy, budget=budget)
 
 
 class AdaptiveRun:
@@ -273,7 +278,7 @@ class AdaptiveRun:
     """
 
     def __init__(self, settings: Adaptive, target: Model | None, parts: list[Drafter], prompt_length: int = 0,
-                 measure: bool = True):
+                 measure: bool = True, budget: int | None = None):
         self.settings = settings
         self.min_confidence = settings.min_confidence
         self.measure = measure
@@ -283,6 +288,7 @@ class AdaptiveRun:
         self.off_steps: dict[str, int] = {}
         self.seen: dict[str, int] = {}  # sequence length when each drafter last drafted (it has seen that much)
         self.length = prompt_length  # current sequence length
+        self.end = None if budget is None else prompt_length + budget  # the length at which the generation stops
         self.probes = 0
         self.last_part = ""
         self.costs: list[float] | None = None  # v[k]; None for plain decoding: nothing to choose
@@ -315,8 +321,8 @@ class AdaptiveRun:
         c = self.drafter_cost.get(name, 0.0)
         if c < self.settings.free_cost:
             return self._k_max()
-        k, _ = best_lookahead(self.estimate(name).estimate(), self.costs, c, self._k_max())
-        if k > 0:
+        k, gain = best_lookahead(self.estimate(name).estimate(), self.costs, c, self._k_max())
+        if k > 0 and self.catch_up_pays(name, c, gain):
             self.off_steps[name] = 0
             return k
         self.off_steps[name] = self.off_steps.get(name, 0) + 1
@@ -328,8 +334,25 @@ class AdaptiveRun:
 
     def probe_cost(self, name: str, c: float) -> float:
         """A one-token probe, in plain steps: the draft, the extra verified row, and catching up on unseen tokens."""
+        return c + self.costs[1] - 1.0 + self.catch_up_cost(name, c)
+
+    def catch_up_cost(self, name: str, c: float) -> float:
+        """What feeding a drafter the tokens it has not seen costs, in plain steps: none for one that drafted last
+        step (its measured cost per token includes that); else c per token at the rate of the target's longest
+        measured step, t(MAX_K+1) / (MAX_K+1) per token (a model catches up in one batched forward pass)."""
+        if name == self.last_part:
+            return 0.0
         unseen = self.length - self.seen.get(name, 0)
-        return c + self.costs[1] - 1.0 + c * unseen / self.settings.prefill_speedup
+        return c * unseen * self.costs[-1] / len(self.costs)
+
+    def catch_up_pays(self, name: str, c: float, gain: float) -> bool:
+        """Whether switching a drafter on is worth its catch-up: drafting at the expected `gain` for the rest of the
+        generation must save more plain steps than the catch-up costs. The prompt is the catch-up of a drafter's
+        first use, so a long prompt with few tokens to generate keeps a costly assistant off from the start."""
+        cost = self.catch_up_cost(name, c)
+        if cost == 0.0 or self.end is None:
+            return True
+        return (self.end - self.length) * (1.0 - 1.0 / gain) > cost
 
     def trim(self, draft: Draft, part: str = "", room: int | None = None) -> int:
         if not draft.tokens or self.drafter_cost.get(part, 0.0) >= self.settings.free_cost:

@@ -31,6 +31,7 @@ from functools import lru_cache
 import torch
 
 from assistgen.cache import KVCache
+from assistgen.devices import model_device
 from assistgen.drafters import Draft
 from assistgen.models import Model
 from assistgen.sampling import Sampler
@@ -253,13 +254,16 @@ class UniversalDrafter:
         self.context = AssistantContext(self.bridge)
         self.context_length = assistant.context_length
         self.target_vocab = target.vocab_size
+        self.target_device = model_device(target)  # q rows are made where the target's p is
         self._intersection: VocabIntersection | None = None
         self.mass_sum, self.mass_steps = 0.0, 0
 
     @property
     def intersection(self) -> VocabIntersection:
-        if self._intersection is None:
-            self._intersection = VocabIntersection.build(self.bridge.target, self.bridge.assistant)
+        if self._intersection is None:  # the shared (CPU) table, its ids moved to where each side runs
+            shared = VocabIntersection.build(self.bridge.target, self.bridge.assistant)
+            self._intersection = VocabIntersection(shared.assistant_ids.to(self.cache.device),
+                                                   shared.target_ids.to(self.target_device))
         return self._intersection
 
     def propose(self, ids: list[int], k: int, sampler: Sampler, min_confidence: float = 0.0) -> Draft:
@@ -301,8 +305,8 @@ class UniversalDrafter:
             if float(q_a.max()) < min_confidence:
                 break
             j = sampler.draw(q_a)
-            q = torch.zeros(self.target_vocab)  # [target vocab], zero outside the intersection
-            q[t_ids] = q_a
+            q = torch.zeros(self.target_vocab, device=self.target_device)  # [target vocab], 0 outside the intersection
+            q[t_ids] = q_a.to(self.target_device)
             tokens.append(int(t_ids[j]))
             rows.append(q)
             pending = [int(a_ids[j])]
