@@ -16,7 +16,7 @@ bfloat16 for PyTorch's CPU kernels and its output back.
 Exactness: both kernels are row-independent (a row's result is bitwise the same alone or among
 other rows), which is what makes greedy assisted decoding equal plain decoding with no near-tie
 exception. They are used for up to `KERNEL_ROWS` rows, which covers every decoding and
-verification step (at most 1 + MAX_K rows); above that (a long prompt's prefill, the same forward
+verification step (at most 1 + `gain.MAX_K` rows); above that (a long prompt's prefill, the same forward
 in plain and assisted decoding) a layer dequantizes its weight to bfloat16 and runs one matrix
 product, which is faster for many rows. `row_independent(layer)` checks the property.
 
