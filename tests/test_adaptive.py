@@ -155,32 +155,6 @@ def test_verification_costs_are_measured_once_and_cached_on_disk(tmp_path, monke
     assert assistgen.costs.costs_path(fresh) != before  # another machine set-up measures again
 
 
-def test_the_catch_up_rate_is_measured_with_the_cost_curve_and_an_old_record_is_measured_again(tmp_path, monkeypatch):
-    monkeypatch.setenv("ASSISTGEN_CACHE", str(tmp_path))
-    target = tiny_llama(seed=0)
-    target.cache_key = "tiny-catch-up"
-    rate = assistgen.costs.catch_up_rate(target)
-    # Reading a token inside a 256-token forward is cheaper than a whole one-token step.
-    assert 0 < rate < 1
-    path = assistgen.costs.costs_path(target)
-    record = json.loads(path.read_text())
-    del record["catch_up_per_token"]  # a record written before the rate existed
-    path.write_text(json.dumps(record))
-    fresh = tiny_llama(seed=0)
-    fresh.cache_key = "tiny-catch-up"
-    assert assistgen.costs.catch_up_rate(fresh) > 0
-    assert "catch_up_per_token" in json.loads(path.read_text())
-
-
-def test_the_policy_prices_catch_up_at_the_measured_rate():
-    """With a measured rate the same prompt is cheap or dear to catch up on, and the choice follows."""
-    costs = [1.0 + 0.02 * k for k in range(17)]
-    cheap = Adaptive(costs=costs, drafter_cost_prior=0.2, catch_up=0.001).prepare(None, [Costly()], 1500, budget=64)
-    dear = Adaptive(costs=costs, drafter_cost_prior=0.2, catch_up=0.5).prepare(None, [Costly()], 1500, budget=64)
-    assert cheap.catch_up_cost("assistant", 0.2) == pytest.approx(0.2 * 1500 * 0.001)
-    assert cheap.next_k(Costly()) > 0 and dear.next_k(Costly()) == 0
-
-
 def test_a_probe_that_must_catch_up_on_a_long_prompt_waits_longer():
     settings = Adaptive(costs=[1.0 + 0.01 * k for k in range(17)], drafter_cost_prior=0.5, probe_share=0.05)
     short = settings.prepare(None, [Costly()], prompt_length=10)

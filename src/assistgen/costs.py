@@ -2,9 +2,7 @@
 
 Contract: `verification_costs(model)` returns v with v[k] = t(k+1) / t(1), where t(n) is the time of one
 target forward pass over n new tokens after a short context (`timing.step_times`). A step that
-verifies k draft tokens feeds k+1 tokens, so it costs v[k] plain steps (v[0] = 1). `catch_up_rate(model)`
-is what reading one unseen token costs in plain steps, t(256 new tokens) / 256 / t(1) (`timing.read_time`):
-the price of a prefill, and of a drafter catching up on text it has not seen. Both are measured on
+verifies k draft tokens feeds k+1 tokens, so it costs v[k] plain steps (v[0] = 1). It is measured on
 the model as it runs, after its transforms (`transforms.optimize` tunes the linear routes first), once
 per model, machine and software stack (a few seconds), and cached as JSON under
 `$ASSISTGEN_CACHE/costs/`, keyed by a fingerprint (model, quantization, library versions, CPU,
@@ -23,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from assistgen.gain import MAX_K
-from assistgen.timing import measurement_key, measurement_path, read_time, step_times
+from assistgen.timing import measurement_key, measurement_path, step_times
 
 if TYPE_CHECKING:
     from assistgen.models import Model
@@ -47,19 +45,13 @@ def costs_path(model: Model):
     return measurement_path("costs", model, *_set_up(model))
 
 
-def catch_up_rate(model: Model, refresh: bool = False) -> float:
-    """What reading one unseen token costs the model, in its own plain steps: t(256 tokens) / 256 / t(1)."""
-    return calibration(model, refresh)["catch_up_per_token"]
-
-
 def verification_costs(model: Model, refresh: bool = False) -> list[float]:
     """The model's v[0..MAX_K] (`gain.MAX_K`), from memory, from disk, or measured now (and saved)."""
     return calibration(model, refresh)["verification_costs"]
 
 
 def calibration(model: Model, refresh: bool = False) -> dict:
-    """{"verification_costs": v, "step_seconds": t, "catch_up_per_token": r, "measured": when}: memo, disk, or
-    measured now."""
+    """{"verification_costs": v, "step_seconds": t, "measured": when}: memo, disk, or measured now."""
     key = fingerprint(model)
     memo = getattr(model.hf, "_assistgen_costs", {})
     if key in memo and not refresh:
@@ -69,7 +61,7 @@ def calibration(model: Model, refresh: bool = False) -> dict:
     if path is not None and path.exists() and not refresh:
         try:
             record = json.loads(path.read_text())
-            record["verification_costs"], record["catch_up_per_token"]  # noqa: B018 - else measured again
+            record["verification_costs"]  # noqa: B018 - a file without it is measured again
         except (OSError, ValueError, KeyError):
             record = None
     if record is None:
@@ -84,7 +76,5 @@ def calibration(model: Model, refresh: bool = False) -> dict:
 @torch.inference_mode()
 def measure_costs(model: Model) -> dict:
     times = step_times(model, max_k=MAX_K)
-    seconds, tokens = read_time(model)
     return {"model": model.name, "measured": time.strftime("%Y-%m-%d %H:%M"),
-            "step_seconds": [round(t, 6) for t in times], "verification_costs": [t / times[0] for t in times],
-            "catch_up_per_token": seconds / tokens / times[0]}
+            "step_seconds": [round(t, 6) for t in times], "verification_costs": [t / times[0] for t in times]}

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from assistgen.costs import calibration
+from assistgen.costs import verification_costs
 from assistgen.drafters import Draft, Drafter
 from assistgen.gain import MAX_K, best_lookahead, expected_tokens, step_cost
 
@@ -237,7 +237,7 @@ class Adaptive:
     the time, so drafting comes back when the text becomes predictable. A costly drafter must first
     read the tokens it has not seen (at its first use, the whole prompt): it is switched on only when
     drafting at the expected gain for the rest of the generation saves more than that catch-up costs,
-    priced at the target's measured cost of reading a token (`AdaptiveRun.catch_up_pays`). Settings only: each
+    priced from the measured cost curve (`AdaptiveRun.catch_up_pays`). Settings only: each
     generation's estimates live in the `AdaptiveRun` that `prepare` returns.
     """
 
@@ -254,9 +254,6 @@ class Adaptive:
     cost_weight: float = 0.2  # EMA weight of a new timing (drafter cost, plain-step time; greedy runs only)
     min_confidence: float = 0.0
     costs: list[float] | None = None  # v[k]; None: the target's measured verification costs
-    # Plain steps per unseen token that a drafter of cost 1 spends catching up; None: measured with the cost curve
-    # (`costs.catch_up_rate`), or, with made-up `costs`, their per-token cost at the longest step, v[-1] / len(v).
-    catch_up: float | None = None
     # c assumed for a model drafter before it is measured (and throughout a sampled generation); None: `cost_hint`
     drafter_cost_prior: float | None = None
 
@@ -295,17 +292,9 @@ class AdaptiveRun:
         self.probes = 0
         self.last_part = ""
         self.costs: list[float] | None = None  # v[k]; None for plain decoding: nothing to choose
-        self.catch_up = 0.0  # plain steps per unseen token for a drafter of cost 1
         if not parts:
             return
-        if settings.costs is not None:
-            self.costs = list(settings.costs)
-            self.catch_up = self.costs[-1] / len(self.costs)
-        else:
-            record = calibration(target)
-            self.costs, self.catch_up = record["verification_costs"], record["catch_up_per_token"]
-        if settings.catch_up is not None:
-            self.catch_up = settings.catch_up
+        self.costs = list(settings.costs) if settings.costs is not None else verification_costs(target)
         for part in parts:
             self.drafter_cost.setdefault(part.name, prior_cost(part, target, settings.drafter_cost_prior))
             if part.acceptance_prior is not None and part.name not in self.acceptance:  # e.g. early exit's agreement
@@ -349,12 +338,12 @@ class AdaptiveRun:
 
     def catch_up_cost(self, name: str, c: float) -> float:
         """What feeding a drafter the tokens it has not seen costs, in plain steps: none for one that drafted last
-        step (its measured cost per token includes that); else c times the target's measured cost of reading one
-        token (`costs.catch_up_rate`: a model catches up in one batched forward pass, as a prefill)."""
+        step (its measured cost per token includes that); else c per token at the rate of the target's longest
+        measured step, t(MAX_K+1) / (MAX_K+1) per token (a model catches up in one batched forward pass)."""
         if name == self.last_part:
             return 0.0
         unseen = self.length - self.seen.get(name, 0)
-        return c * unseen * self.catch_up
+        return c * unseen * self.costs[-1] / len(self.costs)
 
     def catch_up_pays(self, name: str, c: float, gain: float) -> bool:
         """Whether switching a drafter on is worth its catch-up: drafting at the expected `gain` for the rest of the

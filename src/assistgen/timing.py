@@ -36,8 +36,10 @@ def step_times(model, max_k: int = MAX_K, context: int = 128, repeats: int = 3) 
     from assistgen.cache import KVCache
 
     device = model_device(model)
-    context = max(1, min(context, _limit(model, context + max_k + 1) - max_k - 2))
-    ids = _random_ids(model, context + max_k + 1)
+    vocab = min(model.vocab_size, len(model.tokenizer))
+    limit = model.context_length or context + max_k + 1
+    context = max(1, min(context, limit - max_k - 2))
+    ids = torch.randint(3, vocab, (context + max_k + 1,), generator=torch.Generator().manual_seed(0)).tolist()
     cache = KVCache(model.hf)
     cache.feed(ids[:context])
     times = []
@@ -50,37 +52,6 @@ def step_times(model, max_k: int = MAX_K, context: int = 128, repeats: int = 3) 
             cache.crop(context)
         times.append(best)
     return times
-
-
-@torch.inference_mode()
-def read_time(model, tokens: int = 256, context: int = 128, repeats: int = 2) -> tuple[float, int]:
-    """(seconds, n): one forward over n (up to `tokens`) new tokens after `context` tokens, best of `repeats`:
-    how fast the model reads text it has not seen (a prompt's prefill, a drafter catching up)."""
-    from assistgen.cache import KVCache
-
-    device = model_device(model)
-    limit = _limit(model, context + tokens + 1)
-    context = max(1, min(context, limit // 4))
-    tokens = max(1, min(tokens, limit - context - 1))
-    ids = _random_ids(model, context + tokens)
-    cache = KVCache(model.hf)
-    cache.feed(ids[:context])
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first run warms up
-        start = clock(device)
-        cache.feed(ids[context:], logits_to_keep=1)
-        best = min(best, clock(device) - start)
-        cache.crop(context)
-    return best, tokens
-
-
-def _limit(model, wanted: int) -> int:
-    return model.context_length or wanted
-
-
-def _random_ids(model, n: int) -> list[int]:
-    vocab = min(model.vocab_size, len(model.tokenizer))
-    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
 def machine(device: torch.device | str | None = None) -> list[str]:
