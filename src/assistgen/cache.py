@@ -69,9 +69,17 @@ class KVCache:
 
         Returns the tokens of `ids` that still have to be fed.
         """
-        n = min(len(self.tokens), len(ids) - keep_last)
-        common = 0
-        while common < n and self.tokens[common] == ids[common]:
-            common += 1
+        common = max(0, min(shared_prefix(self.tokens, ids), len(ids) - keep_last))
         self.crop(common)
         return ids[common:]
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share; one list comparison in the usual case (b extends a)."""
+    if len(b) >= len(a) and b[: len(a)] == a:
+        return len(a)
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

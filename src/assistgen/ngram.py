@@ -28,6 +28,7 @@ from collections import OrderedDict
 
 import torch
 
+from assistgen.cache import shared_prefix
 from assistgen.drafters import Draft
 from assistgen.sampling import Sampler
 
@@ -201,11 +202,7 @@ class NGramCacheDrafter:
 
     def record(self, ids: list[int]) -> None:
         """Add what `ids` has beyond the part it shares with the sequence recorded last (all of it for a new one)."""
-        seen = self.recorded
-        if len(ids) >= len(seen) and ids[: len(seen)] == seen:
-            common = len(seen)  # the usual case: the same generation, a few tokens longer
-        else:
-            common = shared_prefix(seen, ids)
+        common = shared_prefix(self.recorded, ids)  # usually all of it: the same generation, a few tokens longer
         if common < len(ids):
             self.cache.add(ids, start=common)
         self.recorded = list(ids)
@@ -219,10 +216,3 @@ class NGramCacheDrafter:
     def report(self) -> dict:
         return {"ngram_cache_entries": len(self.cache)}
 
-
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from assistgen.devices import require_cpu
+from assistgen.gain import MAX_K
 from assistgen.transforms import replace_module
 
 SCHEMES = ("int8", "int4")
@@ -321,7 +322,7 @@ def scheme_of(hf: torch.nn.Module) -> str | None:
 
 
 @torch.inference_mode()
-def row_independent(layer: torch.nn.Module, max_rows: int = 17, seed: int = 0) -> bool:
+def row_independent(layer: torch.nn.Module, max_rows: int = MAX_K + 1, seed: int = 0) -> bool:
     """True when each row of a product over 2..max_rows rows equals that row alone, bitwise."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(max_rows, layer.in_features, generator=gen)  # [rows, in]

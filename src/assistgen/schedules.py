@@ -338,8 +338,9 @@ class AdaptiveRun:
 
     def catch_up_cost(self, name: str, c: float) -> float:
         """What feeding a drafter the tokens it has not seen costs, in plain steps: none for one that drafted last
-        step (its measured cost per token includes that); else c per token at the rate of the target's longest
-        measured step, t(MAX_K+1) / (MAX_K+1) per token (a model catches up in one batched forward pass)."""
+        step (its measured cost per token includes that); else c per token at the per-token cost of the longest
+        step on the cost curve, v[-1] / len(v) (t(MAX_K+1) / (MAX_K+1) for a measured curve: a model catches up
+        in one batched forward pass)."""
         if name == self.last_part:
             return 0.0
         unseen = self.length - self.seen.get(name, 0)
@@ -417,14 +418,9 @@ def prior_cost(part: Drafter, target: Model | None, drafter_cost_prior: float | 
     return cost_hint(part, target)
 
 
-def cost_hint(part: Drafter, target: Model) -> float | None:
-    """A drafter's cost per token before it is measured: its model's share of the target's weight bytes
-    (parameters and buffers, so that quantized weights, held as buffers, count as what they are).
-
-    None for a drafter without a model (prompt lookup, the n-gram cache).
-    """
-    if part.model is None:
-        return None
+def cost_hint(part: Drafter, target: Model) -> float:
+    """A model drafter's cost per token before it is measured: its model's share of the target's weight bytes
+    (parameters and buffers, so that quantized weights, held as buffers, count as what they are)."""
 
     def weight_bytes(hf) -> int:
         return sum(t.numel() * t.element_size() for t in (*hf.parameters(), *hf.buffers()))

@@ -136,7 +136,8 @@ class TextBridge:
         self.look_behind = look_behind
 
     def to_assistant(self, ids: list[int]) -> list[int]:
-        """Assistant tokens for the target's text (its special tokens left out, a partial character held back)."""
+        """Assistant tokens for the target's whole text (its special tokens left out, a partial character held
+        back): the reference that `AssistantContext`, which the drafter uses, is tested against."""
         text = strip_partial(self.target.decode(ids, skip_special_tokens=True))
         return list(self.assistant(text, add_special_tokens=True)["input_ids"])
 

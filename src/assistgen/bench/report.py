@@ -15,28 +15,21 @@ the bound is given both ways.
 
 from __future__ import annotations
 
-import math
 import re
 from collections import defaultdict
 
-from assistgen.gain import expected_gain, step_cost
+from assistgen.gain import expected_tokens, step_cost
 
 OVERALL = "overall"
 
 
-def free_verification(k: float) -> list[float]:
-    """The fallback cost curve when none was measured: verifying k draft tokens costs one plain step."""
-    return [1.0] * (math.ceil(k) + 1)
-
-
 def theoretical_speedup(alpha: float, k: float, c: float, cost_curve: list[float] | None = None) -> float | None:
     """Expected tokens per unit time of speculation relative to plain decoding, at acceptance rate alpha,
-    mean lookahead k and draft cost c; cost_curve: v[k] (None: `free_verification`). None when k is beyond
-    the curve."""
-    costs = cost_curve if cost_curve else free_verification(k)
-    if k > len(costs) - 1:
+    mean lookahead k and draft cost c; cost_curve: v[k] (None: verification costs one plain step, v = 1).
+    None when k is beyond the curve."""
+    if cost_curve and k > len(cost_curve) - 1:
         return None
-    return expected_gain([alpha], k, costs, c)
+    return expected_tokens([alpha], k) / (k * c + unit_cost(cost_curve, k))
 
 
 def unit_cost(cost_curve: list[float] | None, k: float) -> float:
