@@ -1,0 +1,171 @@
+"""The serving engine: one thread steps every running request together through the generation loop.
+
+Contract: `BatchEngine(target, make_drafter, schedule, settings)` owns a target model and a thread.
+`submit(prompt_ids, config, on_chunk)` queues a request (raises `QueueFull` past `settings.max_queue`
+waiting requests, `ConfigError` for a bad prompt or config) and returns its `Request` handle; the
+engine thread admits waiting requests between steps (at most `settings.max_batch` run at once) and
+delivers each request's `engine.Chunk`s, in order, to `on_chunk` (called on the engine thread; by
+default they go to a queue that iterating the `Request` reads). The last chunk of a request has its
+`finish_reason` set: length | eos | stop | context, or "cancelled" (`Request.cancel()`, e.g. a client
+that went away: its rows are freed before the next step), or "error" (`Request.error` says what).
+`shutdown()` stops admitting requests, lets the running ones finish (or cancels them) and joins
+the thread. Each request gets its own drafter from `make_drafter()` (drafters hold per-request
+state: caches, estimates), its own sampler and schedule run; only the target and its weights are
+shared. Greedy output of a request is the output `engine.stream` gives for it alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from assistgen.config import ConfigError, GenerationConfig
+from assistgen.drafters import Drafter
+from assistgen.engine import Chunk, stream
+from assistgen.models import Model
+from assistgen.schedules import Schedule
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than the engine accepts (`EngineSettings.max_queue`)."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    max_batch: int = 8  # requests stepped together
+    max_queue: int = 64  # requests waiting to join; one more is refused with QueueFull
+    prefill_chunk: int = 256  # prompt tokens a joining request feeds per step, so running streams keep flowing
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_queue", "prefill_chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+_ids = itertools.count(1)
+
+
+class Request:
+    """One submitted request: its chunks arrive in order; the last one has `finish_reason` set."""
+
+    def __init__(self, prompt_ids: list[int], config: GenerationConfig, on_chunk: Callable[[Chunk], None] | None):
+        self.id = f"req-{next(_ids)}"
+        self.prompt_ids = list(prompt_ids)
+        self.config = config
+        self.error: str | None = None
+        self.cancelled = threading.Event()
+        self.done = threading.Event()
+        self._queue: queue.Queue[Chunk] | None = None if on_chunk is not None else queue.Queue()
+        self._on_chunk = on_chunk if on_chunk is not None else self._queue.put
+
+    def cancel(self) -> None:
+        """Stop generating for this request; the engine frees its rows before the next step."""
+        self.cancelled.set()
+
+    def deliver(self, chunk: Chunk) -> None:
+        if chunk.finish_reason is not None:
+            self.done.set()
+        self._on_chunk(chunk)
+
+    def __iter__(self) -> Iterator[Chunk]:
+        if self._queue is None:
+            raise RuntimeError("this request delivers its chunks to on_chunk")
+        while True:
+            chunk = self._queue.get()
+            yield chunk
+            if chunk.finish_reason is not None:
+                return
+
+
+class BatchEngine:
+    def __init__(self, target: Model, make_drafter: Callable[[], Drafter], schedule: Schedule,
+                 settings: EngineSettings | None = None):
+        self.target = target
+        self.make_drafter = make_drafter
+        self.schedule = schedule
+        self.settings = settings or EngineSettings()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.lock = threading.Condition()
+        self.accepting = True
+        self.thread: threading.Thread | None = None
+
+    # --- the client side ----------------------------------------------------------------------------------
+
+    def start(self) -> BatchEngine:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="assistgen-engine", daemon=True)
+            self.thread.start()
+        return self
+
+    def submit(self, prompt_ids: list[int], config: GenerationConfig,
+               on_chunk: Callable[[Chunk], None] | None = None) -> Request:
+        config.validate()
+        request = Request(prompt_ids, config, on_chunk)
+        with self.lock:
+            if not self.accepting:
+                raise QueueFull("The server is shutting down and accepts no new requests.")
+            if len(self.waiting) >= self.settings.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are already waiting (max_queue "
+                                f"{self.settings.max_queue}): retry later.")
+            self.waiting.append(request)
+            self.lock.notify_all()
+        return request
+
+    def shutdown(self, cancel: bool = False, timeout: float | None = None) -> None:
+        """Stop accepting requests; finish the running and waiting ones (or cancel them); join the thread."""
+        with self.lock:
+            self.accepting = False
+            if cancel:
+                for request in [*self.running, *self.waiting]:
+                    request.cancel()
+            self.lock.notify_all()
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # --- the engine thread (provisional: one request at a time through engine.stream) ---------------------
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                while not self.waiting and self.accepting:
+                    self.lock.wait()
+                if not self.waiting and not self.accepting:
+                    return
+                request = self.waiting.popleft()
+                self.running.append(request)
+            try:
+                self._serve(request)
+            finally:
+                with self.lock:
+                    self.running.remove(request)
+
+    def _serve(self, request: Request) -> None:
+        if request.cancelled.is_set():
+            request.deliver(Chunk([], "", "cancelled"))
+            return
+        try:
+            chunks = stream(self.target, request.prompt_ids, self.make_drafter(), self.schedule, request.config)
+            for chunk in chunks:
+                if request.cancelled.is_set() and chunk.finish_reason is None:
+                    chunk.finish_reason = "cancelled"
+                    request.deliver(chunk)
+                    chunks.close()
+                    return
+                request.deliver(chunk)
+        except Exception as e:  # noqa: BLE001 - a request's failure must not stop the engine
+            request.error = f"{type(e).__name__}: {e}"
+            request.deliver(Chunk([], "", "error"))
