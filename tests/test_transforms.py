@@ -8,6 +8,7 @@ from conftest import encode, hf_greedy, naive_greedy, tiny_gemma3, tiny_llama
 
 from assistgen import generate
 from assistgen.cache import KVCache
+from assistgen.ragged import inner_attention, set_inner_attention
 from assistgen.transforms import (
     SmallRowsLinear,
     _grouped_sdpa,
@@ -104,7 +105,7 @@ def test_grouped_attention_verifies_like_transformers_attention(make):
     ids = encode("the quick brown fox jumps over the lazy dog and runs far away.")  # > the gemma window
     expected = {}
     for impl in ("eager", "sdpa"):
-        model.hf.config._attn_implementation = impl
+        set_inner_attention(model.hf.config, impl)
         expected[impl] = [verification_logits(model, ids, 40, n) for n in (1, 2, 5, 9)]
     assert grouped_query_attention(model.hf) and grouped_attention_applied(model.hf)
     got = [verification_logits(model, ids, 40, n) for n in (1, 2, 5, 9)]
@@ -112,6 +113,7 @@ def test_grouped_attention_verifies_like_transformers_attention(make):
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(g, s, atol=1e-5, rtol=1e-5)
     assert make().hf.config._attn_implementation == "sdpa"  # a fresh model is untouched
+    assert inner_attention(model.hf.config) == grouped_attention_applied(model.hf)
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama-gqa", "gemma3-sliding"])

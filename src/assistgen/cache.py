@@ -1,18 +1,21 @@
 """A model's KV cache as a thing with verbs: `feed` tokens, `crop` back, `sync` to a context.
 
-Contract: `KVCache` owns one Hugging Face `DynamicCache` and the list of token ids it holds, so
-that `len(cache)` is the number of cached positions and `cache.tokens` says which. It runs the
-model's forward pass (batch size 1) on the model's device (`device`, taken once when it is made)
-and keeps only the logits asked for. Rollback is exact for every layer layout transformers builds
-from a config, including sliding-window layers (Gemma-3), which record their past so they can be
-cropped after the window has filled. It knows nothing about drafting or sampling.
+Contract: `KVCache` owns one sequence's keys and values (`ragged.SequenceKV`: preallocated per layer,
+written by position, so a crop is free) and the list of token ids it holds, so that `len(cache)` is
+the number of cached positions and `cache.tokens` says which. `feed` runs the model's forward pass
+over new tokens on the model's device (`device`, taken once when it is made) and keeps only the
+logits asked for; `feed_together` runs one forward pass over the new tokens of several caches of
+the same model (the batched serving step), each sequence attending only to its own positions
+(`ragged.py`). Rollback is exact for every layer layout, including sliding-window layers (Gemma-3),
+which keep every position and apply their window in the mask. It knows nothing about drafting or
+sampling.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
+from assistgen import ragged
 from assistgen.devices import model_device
 
 
@@ -20,48 +23,28 @@ class KVCache:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.device = model_device(model)  # where ids and positions are made
+        ragged.attach(model)
         self.reset()
 
     def reset(self) -> None:
-        self.past = DynamicCache(config=self.model.config)
-        if any(getattr(layer, "is_sliding", False) for layer in self.past.layers):
-            self.past.activate_past_recording()  # lets sliding-window layers roll back past the window
+        self.kv = ragged.SequenceKV()
         self.tokens: list[int] = []
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    @torch.inference_mode()
     def feed(self, ids: list[int], logits_to_keep: int = 1) -> torch.Tensor:
         """Append `ids` to the cache; return the logits of the last `logits_to_keep` of them.
 
         Returns [logits_to_keep, vocab] float32, row j predicting the token after ids[:len(ids)-logits_to_keep+j+1].
         """
-        if not ids:
-            raise ValueError("feed() needs at least one token")
-        start = len(self.tokens)
-        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, n]
-        positions = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)  # [1, n]
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=positions,
-            cache=self.past,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-        )
-        self.tokens.extend(ids)
-        return out.logits[0, -logits_to_keep:].float()
+        return feed_together([(self, ids, logits_to_keep)])[0]
 
     def crop(self, length: int) -> None:
         """Keep only the first `length` cached positions."""
-        remove = len(self.tokens) - length
-        if remove < 0:
+        if not 0 <= length <= len(self.tokens):
             raise ValueError(f"cannot crop a cache of {len(self.tokens)} positions to {length}")
-        if length == 0:
-            self.reset()
-            return
-        # Always crop, even by 0: sliding-window layers recording their past trim back to the window here.
-        self.past.crop(-remove)
+        self.kv.crop(length)
         del self.tokens[length:]
 
     def sync(self, ids: list[int], keep_last: int = 1) -> list[int]:
@@ -72,6 +55,25 @@ class KVCache:
         common = max(0, min(shared_prefix(self.tokens, ids), len(ids) - keep_last))
         self.crop(common)
         return ids[common:]
+
+
+def feed_together(feeds: list[tuple[KVCache, list[int], int]]) -> list[torch.Tensor]:
+    """One forward pass over (cache, new ids, logits to keep) of caches of one model; each cache's logits
+    [keep, vocab] float32, in order."""
+    if not feeds:
+        return []
+    model = feeds[0][0].model
+    if any(cache.model is not model for cache, _, _ in feeds):
+        raise ValueError("feed_together needs caches of one model")
+    for _, ids, keep in feeds:
+        if not ids:
+            raise ValueError("feed() needs at least one token")
+        if not 1 <= keep <= len(ids):
+            raise ValueError(f"logits_to_keep must be in 1..{len(ids)}, got {keep}")
+    logits = ragged.forward(model, [ragged.Feed(cache.kv, ids, keep) for cache, ids, keep in feeds])
+    for cache, ids, _ in feeds:
+        cache.tokens.extend(ids)
+    return logits
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from assistgen.devices import model_device, require_cpu
+from assistgen.ragged import inner_attention, set_inner_attention
 from assistgen.timing import clock, measurement_path, step_times
 
 DEFAULT_MAX_ROWS = 32
@@ -276,22 +277,23 @@ def grouped_query_attention(model: torch.nn.Module, row_independent: bool = Fals
     to the row-by-row one (what quantized models, whose linears are row-independent, need for exactness);
     returns whether it was switched."""
     config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+    if config is None or inner_attention(config) != "sdpa":
         return False
     _register_attention()
-    config._attn_implementation = ROW_ATTENTION if row_independent else ATTENTION
+    set_inner_attention(config, ROW_ATTENTION if row_independent else ATTENTION)
     return True
 
 
 def remove_grouped_query_attention(model: torch.nn.Module) -> None:
     config = getattr(model, "config", None)
-    if config is not None and getattr(config, "_attn_implementation", None) in (ATTENTION, ROW_ATTENTION):
-        config._attn_implementation = "sdpa"
+    if config is not None and inner_attention(config) in (ATTENTION, ROW_ATTENTION):
+        set_inner_attention(config, "sdpa")
 
 
 def grouped_attention_applied(model: torch.nn.Module) -> str | None:
     """The assistgen attention a model runs (its name), or None."""
-    name = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    config = getattr(model, "config", None)
+    name = inner_attention(config) if config is not None else None
     return name if name in (ATTENTION, ROW_ATTENTION) else None
 
 
