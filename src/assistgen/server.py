@@ -301,7 +301,9 @@ def generation_config(body: Sampling, limit: int | None) -> GenerationConfig:
     try:
         return config.validate()
     except ConfigError as e:
-        raise APIError(400, str(e)) from e
+        message = str(e).replace("max_new_tokens", "max_tokens")  # GenerationConfig's name -> the API's
+        param = next((f for f in Sampling.model_fields if message.startswith(f)), None)
+        raise APIError(400, message, param=param) from e
 
 
 def completion_prompt(prompt: str | list[str] | list[int]) -> str | list[int]:
