@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from jinja2 import TemplateError
+
 from assistgen.config import ConfigError, GenerationConfig
 from assistgen.drafters import (
     AssistantDrafter,
@@ -54,17 +56,25 @@ def encode_prompt(model: Model, prompt: str | list[int], chat: bool = False) -> 
         raise ConfigError(f"The prompt must be a string or a list of token ids, got {type(prompt).__name__}.")
     if not prompt.strip():
         raise ConfigError("The prompt is empty: give some text to continue.")
-    tok = model.tokenizer
     if chat:
-        if not getattr(tok, "chat_template", None):
-            raise ConfigError(f"{model.name} has no chat template: drop chat=True / --chat.")
-        ids = tok.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
-    return list(tok(prompt)["input_ids"])
+        return encode_chat(model, [{"role": "user", "content": prompt}])
+    return list(model.tokenizer(prompt)["input_ids"])
+
+
+def encode_chat(model: Model, messages: list[dict]) -> list[int]:
+    """Chat messages ({"role", "content"} dicts) -> token ids through the model's chat template, with the
+    prompt for the assistant's turn appended. A model without a template, or messages its template refuses,
+    raise `ConfigError`."""
+    tok = model.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise ConfigError(f"{model.name} has no chat template: drop chat=True / --chat.")
+    try:
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except (TemplateError, ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"The chat template of {model.name} refused the messages: {e}") from e
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
 
 
 def make_drafter(

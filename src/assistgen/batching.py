@@ -1,7 +1,7 @@
 """The serving engine: one thread steps every running request together through the generation loop.
 
 Contract: `BatchEngine(target, make_drafter, schedule, settings)` owns a target model and a thread.
-`submit(prompt_ids, config, on_chunk)` queues a request (raises `QueueFull` past `settings.max_queue`
+`submit(prompt_ids, config, on_chunk, drafter=None)` queues a request (raises `QueueFull` past `settings.max_queue`
 waiting requests, `ConfigError` for a bad prompt or config) and returns its `Request` handle; the
 engine thread admits waiting requests between steps (at most `settings.max_batch` run at once) and
 delivers each request's `engine.Chunk`s, in order, to `on_chunk` (called on the engine thread; by
@@ -9,9 +9,10 @@ default they go to a queue that iterating the `Request` reads). The last chunk o
 `finish_reason` set: length | eos | stop | context, or "cancelled" (`Request.cancel()`, e.g. a client
 that went away: its rows are freed before the next step), or "error" (`Request.error` says what).
 `shutdown()` stops admitting requests, lets the running ones finish (or cancels them) and joins
-the thread. Each request gets its own drafter from `make_drafter()` (drafters hold per-request
-state: caches, estimates), its own sampler and schedule run; only the target and its weights are
-shared. Greedy output of a request is the output `engine.stream` gives for it alone.
+the thread. Each request gets its own drafter: the one given to `submit`, else a fresh one from
+`make_drafter()` (drafters hold per-request state: caches, estimates), its own sampler and schedule
+run; only the target and its weights are shared. Greedy output of a request is the output
+`engine.stream` gives for it alone.
 """
 
 from __future__ import annotations
@@ -53,10 +54,12 @@ _ids = itertools.count(1)
 class Request:
     """One submitted request: its chunks arrive in order; the last one has `finish_reason` set."""
 
-    def __init__(self, prompt_ids: list[int], config: GenerationConfig, on_chunk: Callable[[Chunk], None] | None):
+    def __init__(self, prompt_ids: list[int], config: GenerationConfig, on_chunk: Callable[[Chunk], None] | None,
+                 drafter: Drafter | None = None):
         self.id = f"req-{next(_ids)}"
         self.prompt_ids = list(prompt_ids)
         self.config = config
+        self.drafter = drafter  # None: the engine's make_drafter() makes one
         self.error: str | None = None
         self.cancelled = threading.Event()
         self.done = threading.Event()
@@ -104,9 +107,9 @@ class BatchEngine:
         return self
 
     def submit(self, prompt_ids: list[int], config: GenerationConfig,
-               on_chunk: Callable[[Chunk], None] | None = None) -> Request:
+               on_chunk: Callable[[Chunk], None] | None = None, drafter: Drafter | None = None) -> Request:
         config.validate()
-        request = Request(prompt_ids, config, on_chunk)
+        request = Request(prompt_ids, config, on_chunk, drafter)
         with self.lock:
             if not self.accepting:
                 raise QueueFull("The server is shutting down and accepts no new requests.")
@@ -158,7 +161,8 @@ class BatchEngine:
             request.deliver(Chunk([], "", "cancelled"))
             return
         try:
-            chunks = stream(self.target, request.prompt_ids, self.make_drafter(), self.schedule, request.config)
+            drafter = request.drafter if request.drafter is not None else self.make_drafter()
+            chunks = stream(self.target, request.prompt_ids, drafter, self.schedule, request.config)
             for chunk in chunks:
                 if request.cancelled.is_set() and chunk.finish_reason is None:
                     chunk.finish_reason = "cancelled"

@@ -1,4 +1,4 @@
-"""Command line: `assistgen generate`, `assistgen models`, `assistgen calibrate`, `assistgen bench`, `assistgen demo`.
+"""Command line: `assistgen generate`, `models`, `calibrate`, `bench`, `demo` and `serve` (an OpenAI-compatible server).
 
 Contract: parses arguments into the API's objects (no defaults re-declared here: unset options are
 simply not passed) and prints. Errors from bad input are printed as one line, exit status 2.
@@ -61,7 +61,27 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="plain vs assisted decoding on an embedded model, side by side")
     demo.add_argument("--model", default=None)
     demo.add_argument("--max-new-tokens", type=int, default=None)
+
+    add_serve(sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)"))
     return parser
+
+
+def add_serve(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default="smollm2-135m", help="alias, hub id, local folder or .gguf file")
+    p.add_argument("--lookup", action="store_true", help="prompt-lookup drafting (no second model)")
+    p.add_argument("--ngram-cache", action="store_true",
+                   help="draft from n-grams of earlier requests with the same API key (never across keys)")
+    drafter = p.add_mutually_exclusive_group()
+    drafter.add_argument("--assistant", "-a", help="assistant model (any tokenizer), shared by all requests")
+    drafter.add_argument("--early-exit", nargs="?", const=True, type=int, metavar="LAYERS",
+                         help="self-drafting with the target's first LAYERS layers")
+    p.add_argument("--schedule", type=parse_schedule, help="as for generate (default: cost-aware adaptive)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--max-batch", type=int, help="requests generated together")
+    p.add_argument("--max-queue", type=int, help="requests waiting to join; more are answered 429")
+    add_quantize(p)
+    add_placement(p)
 
 
 def add_quantize(p: argparse.ArgumentParser) -> None:
@@ -178,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
             from assistgen.demo import run_demo
 
             return run_demo(args.model, args.max_new_tokens)
+        if args.command == "serve":
+            from assistgen.server import serve
+
+            return serve(args)
     except (ConfigError, ModelLoadError, DatasetError, ValueError) as e:
         print(f"assistgen: error: {e}", file=sys.stderr)
         return 2

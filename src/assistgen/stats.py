@@ -15,6 +15,7 @@ class Stats:
     prompt_tokens: int = 0
     new_tokens: int = 0  # emitted (after stop truncation)
     steps: int = 0  # verification steps = target forward passes after the prefill
+    draft_steps: int = 0  # verification steps that checked at least one draft token
     target_forward_passes: int = 0  # including the prefill
     draft_forward_passes: int = 0
     drafted_tokens: int = 0
@@ -31,6 +32,7 @@ class Stats:
     def record_step(self, drafted: int, accepted: int) -> None:
         self.steps += 1
         self.target_forward_passes += 1
+        self.draft_steps += drafted > 0
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         if len(self.accept_histogram) <= drafted:

@@ -1,0 +1,250 @@
+"""`assistgen serve` end to end: the real server (uvicorn on 127.0.0.1, a free port) over SmolLM2-135M, spoken to
+with the official `openai` client and httpx; no mocks."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+
+import httpx
+import openai
+import pytest
+import schemathesis
+import uvicorn
+from hypothesis import HealthCheck, given, settings
+from prometheus_client.parser import text_string_to_metric_families
+
+from assistgen import generate
+from assistgen.api import default_schedule, make_drafter
+from assistgen.batching import BatchEngine, EngineSettings
+from assistgen.server import ServerSettings, create_app
+
+pytestmark = pytest.mark.integration
+
+NAME = "smollm2-135m"
+REPEATING = "the cat sat on the mat. the cat sat on the mat. the cat sat on the"
+
+
+@dataclass
+class Live:
+    url: str
+    app: object
+    engine: BatchEngine
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="test", timeout=60, max_retries=0)
+
+
+def start(model, engine_settings: EngineSettings | None = None, **server_settings) -> Live:
+    engine = BatchEngine(model, partial(make_drafter, model, lookup=True), default_schedule(), engine_settings)
+    app = create_app(engine, ServerSettings(model_name=NAME, **server_settings))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # a free port, bound before uvicorn starts: no race for it
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    live = Live(f"http://127.0.0.1:{port}", app, engine, server, thread)
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    assert httpx.get(f"{live.url}/health", timeout=5).json()["status"] == "ok"
+    return live
+
+
+def stop(live: Live) -> None:
+    live.server.should_exit = True
+    live.thread.join(30)
+    assert not live.thread.is_alive()
+    assert live.engine.thread is None or not live.engine.thread.is_alive()  # the lifespan shut the engine down
+
+
+@pytest.fixture(scope="module")
+def live(smollm2, one_thread):
+    server = start(smollm2, max_tokens_limit=32)
+    yield server
+    stop(server)
+
+
+@pytest.fixture(scope="module")
+def small(smollm2, one_thread):
+    """One request at a time, one waiting; at most 4 new tokens: for queue-full and fuzzing."""
+    server = start(smollm2, EngineSettings(max_batch=1, max_queue=1), max_tokens_limit=4)
+    yield server
+    stop(server)
+
+
+def scrape(live: Live) -> dict[str, float]:
+    text = httpx.get(f"{live.url}/metrics", timeout=5).text
+    return {s.name + "".join(f"[{v}]" for v in s.labels.values()): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def stream_text(client: openai.OpenAI, prompt: str, max_tokens: int) -> tuple[str, str]:
+    parts, finish = [], None
+    for event in client.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens, stream=True):
+        parts.append(event.choices[0].text)
+        finish = event.choices[0].finish_reason or finish
+    return "".join(parts), finish
+
+
+def test_completion_matches_generate_and_stream(live, smollm2):
+    client = live.client
+    reply = client.completions.create(model=NAME, prompt=REPEATING, max_tokens=12)
+    expected = generate(smollm2, REPEATING, max_new_tokens=12)
+    assert reply.object == "text_completion"
+    assert reply.choices[0].text == expected.text
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.prompt_tokens == len(expected.prompt_ids)
+    assert reply.usage.completion_tokens == 12
+    assert reply.usage.total_tokens == len(expected.prompt_ids) + 12
+    spec = reply.model_extra["metrics"]["speculative_decoding"]
+    assert spec["num_draft_tokens"] > 0  # prompt lookup drafted on the repeating prompt
+    assert sum(spec["acceptance_histogram"]) >= spec["num_spec_steps"]
+    assert stream_text(client, REPEATING, 12) == (expected.text, "length")
+
+
+def test_chat_stream_with_usage_matches_non_stream(live, smollm2):
+    client = live.client
+    messages = [{"role": "user", "content": "Say hello."}]
+    reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8)
+    assert reply.object == "chat.completion"
+    assert reply.choices[0].message.role == "assistant"
+    expected = generate(smollm2, "Say hello.", chat=True, max_new_tokens=8)
+    assert reply.choices[0].message.content == expected.text
+    assert reply.choices[0].finish_reason == ("length" if expected.finish_reason == "length" else "stop")
+
+    parts, finish, usage = [], None, None
+    for event in client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, stream=True,
+                                                stream_options={"include_usage": True}):
+        assert event.object == "chat.completion.chunk"
+        if event.usage is not None:
+            usage = event.usage
+        for choice in event.choices:
+            parts.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(parts) == reply.choices[0].message.content
+    assert finish == reply.choices[0].finish_reason
+    assert usage.prompt_tokens == reply.usage.prompt_tokens == len(expected.prompt_ids)
+    assert usage.completion_tokens == reply.usage.completion_tokens == len(expected.token_ids)
+
+
+def test_eight_concurrent_streams_each_match_their_single_run(live):
+    client = live.client
+    prompts = [f"{w} one, {w} two, {w} one, {w} two, {w} one," for w in
+               ("red", "blue", "green", "cat", "dog", "sun", "moon", "tree")]
+    singles = [client.completions.create(model=NAME, prompt=p, max_tokens=8) for p in prompts]
+    with ThreadPoolExecutor(8) as pool:
+        streamed = list(pool.map(lambda p: stream_text(client, p, 8), prompts, timeout=120))
+    assert [text for text, _ in streamed] == [s.choices[0].text for s in singles]
+    assert any(s.model_extra["metrics"]["speculative_decoding"]["num_draft_tokens"] > 0 for s in singles)
+
+
+def test_metrics_count_what_the_responses_report(live):
+    before = scrape(live)
+    client = live.client
+    replies = [client.completions.create(model=NAME, prompt=REPEATING, max_tokens=10),
+               client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Count: 1 2 3"}],
+                                              max_tokens=6)]
+    after = scrape(live)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    spec = [r.model_extra["metrics"]["speculative_decoding"] for r in replies]
+    assert delta("assistgen:spec_decode_num_draft_tokens_total") == sum(s["num_draft_tokens"] for s in spec)
+    assert delta("assistgen:spec_decode_num_accepted_tokens_total") == sum(s["num_accepted_draft_tokens"]
+                                                                           for s in spec)
+    assert delta("assistgen:spec_decode_num_drafts_total") == sum(s["num_spec_steps"] for s in spec)
+    assert delta("assistgen:generation_tokens_total") == sum(r.usage.completion_tokens for r in replies)
+    assert delta("assistgen:prompt_tokens_total") == sum(r.usage.prompt_tokens for r in replies)
+    assert delta("assistgen:e2e_request_latency_seconds_count") == 2
+    assert delta("assistgen:time_to_first_token_seconds_count") == 2
+    assert after["assistgen:num_requests_running"] == 0
+
+
+def test_client_disconnect_cancels_the_engine_request(live):
+    submitted = []
+    original = live.engine.submit
+    live.engine.submit = lambda *a, **k: submitted.append(original(*a, **k)) or submitted[-1]  # a spy
+    try:
+        body = {"model": NAME, "prompt": REPEATING, "max_tokens": 32, "stream": True}
+        with httpx.Client(timeout=30) as http, http.stream("POST", f"{live.url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            first = next(line for line in r.iter_lines() if line.startswith("data: "))
+            assert '"text_completion"' in first
+    finally:
+        live.engine.submit = original
+    (request,) = submitted
+    assert request.done.wait(30), "the engine never finished the abandoned request"
+    assert request.cancelled.is_set()
+    deadline = time.monotonic() + 30
+    while live.engine.num_running:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert live.client.completions.create(model=NAME, prompt="Hi", max_tokens=1).usage.completion_tokens == 1
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_client_mistakes_are_4xx_with_openai_error_bodies(live):
+    url = f"{live.url}/v1/completions"
+    with httpx.Client(timeout=30) as http:
+        assert_error(http.post(url, content=b"{not json", headers={"content-type": "application/json"}), 400)
+        assert_error(http.post(url, json={"model": NAME}), 400, "prompt")
+        assert_error(http.post(url, json={"model": NAME, "prompt": "Hi", "n": 2}), 400, "n")
+        assert_error(http.post(url, json={"model": NAME, "prompt": "Hi", "temperature": -1}), 400, "temperature")
+        assert_error(http.post(url, json={"model": NAME, "prompt": "Hi", "max_tokens": 0}), 400, "max_tokens")
+        assert_error(http.post(url, json={"model": NAME, "prompt": ["a", "b"]}), 400, "prompt")
+        assert_error(http.post(url, json={"model": NAME, "prompt": "Hi", "max_tokens": 1000}), 400, "max_tokens")
+        assert_error(http.post(url, json={"model": NAME, "prompt": "word " * 9000, "max_tokens": 1}), 400, "prompt")
+        assert_error(http.post(url, json={"model": NAME, "prompt": [10**9]}), 400, "prompt")
+        assert_error(http.post(url, json={"model": "gpt-4", "prompt": "Hi"}), 404, "model")
+        assert_error(http.post(f"{live.url}/v1/chat/completions", json={"model": NAME, "messages": []}), 400)
+        models = http.get(f"{live.url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [NAME]
+    with pytest.raises(openai.NotFoundError):
+        live.client.completions.create(model="gpt-4", prompt="Hi", max_tokens=1)
+
+
+def test_queue_full_is_429(small):
+    body = {"model": NAME, "prompt": "A long prompt to read. " * 60, "max_tokens": 4}
+    with httpx.Client(timeout=60) as http, ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda _: http.post(f"{small.url}/v1/completions", json=body), range(8),
+                                  timeout=120))
+    codes = sorted(r.status_code for r in responses)
+    assert set(codes) == {200, 429} and codes.count(200) >= 1, codes
+    for r in responses:
+        if r.status_code == 429:
+            assert_error(r, 429)
+
+
+def test_fuzz_never_5xx(small):
+    """Schemathesis cases for every operation of the app's OpenAPI schema, sent to the live server."""
+    schema = schemathesis.openapi.from_dict(small.app.openapi())
+    for result in schema.get_all_operations():
+        operation = result.ok()
+
+        @given(case=operation.as_strategy())
+        @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        def check(case):
+            response = case.call(base_url=small.url, timeout=30)
+            assert response.status_code < 500, (case.body, response.text)
+            if response.status_code >= 400:
+                assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+        check()
