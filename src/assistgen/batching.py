@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from assistgen.config import ConfigError, GenerationConfig
 from assistgen.drafters import Drafter
-from assistgen.engine import Chunk, stream
+from assistgen.engine import Chunk, Sequence, begin, step
 from assistgen.models import Model
 from assistgen.schedules import Schedule
 
@@ -139,37 +139,54 @@ class BatchEngine:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    # --- the engine thread (provisional: one request at a time through engine.stream) ---------------------
+    # --- the engine thread ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        active: list[tuple[Request, Sequence]] = []
         while True:
             with self.lock:
-                while not self.waiting and self.accepting:
+                while not self.waiting and not active and self.accepting:
                     self.lock.wait()
-                if not self.waiting and not self.accepting:
-                    return
-                request = self.waiting.popleft()
-                self.running.append(request)
+                if not self.waiting and not active:
+                    return  # shut down and drained
+                joining = []
+                while self.waiting and len(active) + len(joining) < self.settings.max_batch:
+                    joining.append(self.waiting.popleft())
+            active += [(r, s) for r in joining if (s := self._begin(r)) is not None]
+            active = [(r, s) for r, s in active if not self._cancelled(r, s)]
+            self.running = [r for r, _ in active]
+            if not active:
+                continue
             try:
-                self._serve(request)
-            finally:
-                with self.lock:
-                    self.running.remove(request)
+                chunks = step([s for _, s in active], self.settings.prefill_chunk)
+            except Exception as e:  # noqa: BLE001 - a failed step ends its requests, not the engine
+                for request, _ in active:
+                    request.error = f"{type(e).__name__}: {e}"
+                    request.deliver(Chunk([], "", "error"))
+                active = []
+                self.running = []
+                continue
+            for (request, _), chunk in zip(active, chunks, strict=True):
+                if chunk is not None:
+                    request.deliver(chunk)
+            active = [(r, s) for r, s in active if s.finish is None]
+            self.running = [r for r, _ in active]
 
-    def _serve(self, request: Request) -> None:
-        if request.cancelled.is_set():
-            request.deliver(Chunk([], "", "cancelled"))
-            return
+    def _begin(self, request: Request) -> Sequence | None:
+        """The request's sequence in the loop, or None (its error delivered) when it cannot start."""
         try:
             drafter = request.drafter if request.drafter is not None else self.make_drafter()
-            chunks = stream(self.target, request.prompt_ids, drafter, self.schedule, request.config)
-            for chunk in chunks:
-                if request.cancelled.is_set() and chunk.finish_reason is None:
-                    chunk.finish_reason = "cancelled"
-                    request.deliver(chunk)
-                    chunks.close()
-                    return
-                request.deliver(chunk)
-        except Exception as e:  # noqa: BLE001 - a request's failure must not stop the engine
+            return begin(self.target, request.prompt_ids, drafter, self.schedule, request.config)
+        except Exception as e:  # noqa: BLE001
             request.error = f"{type(e).__name__}: {e}"
             request.deliver(Chunk([], "", "error"))
+            return None
+
+    @staticmethod
+    def _cancelled(request: Request, sequence: Sequence) -> bool:
+        """Whether the request was cancelled; its last chunk is then delivered and its rows are dropped."""
+        if not request.cancelled.is_set():
+            return False
+        sequence.stats.finish_reason = "cancelled"
+        request.deliver(Chunk([], "", "cancelled", sequence.stats))
+        return True

@@ -1,23 +1,32 @@
-"""The one generation loop: prefill -> draft -> verify -> accept -> roll back -> emit.
+"""The one generation loop: prefill -> draft -> verify -> accept -> roll back -> emit, over a batch.
 
-Contract: `stream()` is a generator of `Chunk`s, one per verification step. Every way of
-generating in assistgen (plain decoding, every drafter, the batch API, the CLI, the benchmarks)
-goes through it; plain decoding is the loop with a drafter that proposes nothing. The target's
-KV cache always holds the sequence minus its last token, so one verification feeds
-[last token, d_1 .. d_k] and reads k+1 next-token distributions. Greedy output equals the target's
-own greedy decoding; sampled output follows the target's distribution (see `sampling.py`). Every
-figure the loop times (prefill, drafting, verification, the total) is read with `timing.clock` on
-the target's device, taken once from the target (its cache's `device`).
+Contract: `step(sequences)` advances every running `Sequence` (one generation each, made by `begin`)
+by one target forward pass over all their rows together: a joining sequence's next prompt chunk
+(prefill), and for each decoding one its last token plus the draft it verifies (`cache.feed_together`:
+each sequence attends only to its own positions). It returns one `Chunk` per sequence (None for one
+still prefilling). `stream()` is a generator of `Chunk`s for one sequence: the same `step` over a
+batch of one. Every way of generating in assistgen (plain decoding, every drafter, the batch API, the
+CLI, the server's `batching.BatchEngine`, the benchmarks) goes through `step`; plain decoding is the
+loop with a drafter that proposes nothing. The target's KV cache always holds the sequence minus its
+last token, so one verification feeds [last token, d_1 .. d_k] and reads k+1 next-token
+distributions. Greedy output equals the target's own greedy decoding; sampled output follows the
+target's distribution (see `sampling.py`), each sequence with its own sampler. With several
+sequences, how many of each draft to verify is chosen for the whole step from the target's measured
+cost for the step's total rows (`gain.batch_lookahead`), so drafting never costs the batch more than
+it brings. Every figure the loop times (prefill, drafting, verification, the total) is read with
+`timing.clock` on the target's device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from assistgen.cache import KVCache
+from assistgen.cache import KVCache, feed_together
 from assistgen.config import ConfigError, GenerationConfig
+from assistgen.costs import verification_costs
 from assistgen.drafters import Draft, Drafter, NoDrafter, attempts
+from assistgen.gain import batch_lookahead
 from assistgen.models import Model
 from assistgen.sampling import Sampler, verify_greedy, verify_speculative
 from assistgen.schedules import Schedule, ScheduleRun, Step
@@ -30,54 +39,169 @@ from assistgen.timing import clock
 class Chunk:
     tokens: list[int]  # token ids emitted by this step
     text: str  # text that became safe to show with this step
-    finish_reason: str | None = None  # set on the last chunk: length | eos | stop | context
+    finish_reason: str | None = None  # set on the last chunk: length | eos | stop | context (| cancelled | error)
     stats: Stats | None = None  # the generation's statistics, live; final on the last chunk
+
+
+@dataclass
+class Sequence:
+    """One generation's state between steps: its ids, cache, drafter, schedule run, sampler and statistics."""
+
+    target: Model
+    ids: list[int]  # prompt + emitted tokens
+    drafter: Drafter
+    parts: list  # the drafters to try, cheapest first
+    run: ScheduleRun
+    config: GenerationConfig
+    sampler: Sampler
+    text: TextStream
+    stats: Stats
+    eos: set[int]
+    context: int  # the longest the sequence may grow
+    cache: KVCache
+    started: float
+    finish: str | None = None
+    # this step's draft, filled by `draft_for`
+    draft: Draft = field(default_factory=Draft)
+    part: str = ""
+    draft_s: float = 0.0
+    verified: int = 0
+
+    @property
+    def prefilling(self) -> bool:
+        return len(self.cache) < len(self.ids) - 1
+
+
+def begin(target: Model, prompt_ids: list[int], drafter: Drafter, schedule: Schedule,
+          config: GenerationConfig) -> Sequence:
+    """A generation ready for its first `step` (its prompt not yet fed); bad settings or prompts raise ConfigError."""
+    config.validate()
+    context = context_limit(target, drafter)
+    check_prompt(prompt_ids, target, context)
+    eos = set(config.eos_token_ids if config.eos_token_ids is not None else target.eos_token_ids)
+    cache = KVCache(target.hf)
+    parts = drafter_parts(drafter)
+    started = clock(cache.device)
+    run = schedule.prepare(target, parts, len(prompt_ids), config.greedy, config.max_new_tokens)  # its state
+    return Sequence(target, list(prompt_ids), drafter, parts, run, config, Sampler(config),
+                    TextStream(target.tokenizer, config.stop), Stats(mode=drafter.name, prompt_tokens=len(prompt_ids)),
+                    eos, context, cache, started)
 
 
 def stream(
     target: Model, prompt_ids: list[int], drafter: Drafter, schedule: Schedule, config: GenerationConfig
 ) -> Iterator[Chunk]:
-    config.validate()
-    context = context_limit(target, drafter)
-    check_prompt(prompt_ids, target, context)
-    eos = set(config.eos_token_ids if config.eos_token_ids is not None else target.eos_token_ids)
-    sampler = Sampler(config)
-    text = TextStream(target.tokenizer, config.stop)
-    stats = Stats(mode=drafter.name, prompt_tokens=len(prompt_ids))
-    cache = KVCache(target.hf)
-    device = cache.device  # the target's: every timing below synchronizes it
-    ids = list(prompt_ids)
-    parts = drafter_parts(drafter)
-    started = clock(device)
+    """One generation, chunk by chunk: `step` over a batch of one (the whole prompt fed at once)."""
+    sequence = begin(target, prompt_ids, drafter, schedule, config)
+    while sequence.finish is None:
+        chunk = step([sequence])[0]
+        if chunk is not None:
+            yield chunk
 
-    run = schedule.prepare(target, parts, len(prompt_ids), config.greedy, config.max_new_tokens)  # its state
-    prefill(cache, ids, stats)
-    finish = None
-    while finish is None:
-        # Draft no more than can be used: the sequence never outgrows the context, and a step emits
-        # its accepted tokens plus one, so r tokens still wanted need at most r - 1 draft tokens.
-        room = min(context - len(ids), config.max_new_tokens - stats.new_tokens) - 1
-        draft, part, draft_s = propose(parts, ids, run, room, sampler, stats, device)
-        n = max(0, min(run.trim(draft, part, room), room))
-        accepted, token, p, verify_s = verify(cache, ids, draft, n, sampler, stats)
-        cache.crop(len(ids) + accepted)  # roll back the rejected draft positions
-        drafter.observe(accepted, p)
-        run.update(Step(draft, part, n, accepted, token, draft_s, verify_s))
-        stats.record_step(n, accepted)
 
-        new = draft.tokens[:accepted] + [token]
-        new, finish = apply_stops(new, stats.new_tokens, config, eos, text)
-        ids.extend(new)
-        stats.new_tokens += len(new)
-        if finish is None and len(ids) >= context:
-            finish = "context"
-        stats.total_s = clock(device) - started
-        if finish:
-            stats.finish_reason = finish
-            drafter.finish(ids)
-            stats.notes.update(drafter.report())
-            stats.notes.update(run.report())
-        yield Chunk(new, text.delta(final=finish is not None), finish, stats)
+def step(sequences: list[Sequence], prefill_chunk: int | None = None) -> list[Chunk | None]:
+    """One target forward pass for every sequence (all of one target): prefill chunks of up to `prefill_chunk`
+    prompt tokens (None: the whole prompt) and verification of each decoding sequence's draft."""
+    target = sequences[0].target
+    device = sequences[0].cache.device
+    decoding = [s for s in sequences if not s.prefilling]
+    prefill_rows = {id(s): prefill_ids(s, prefill_chunk) for s in sequences if s.prefilling}
+    for s in decoding:
+        draft_for(s)
+    if len(sequences) > 1:
+        share_rows(decoding, sum(len(r) for r in prefill_rows.values()))
+    feeds = [(s.cache, prefill_rows[id(s)], 1) if s.prefilling else
+             (s.cache, [s.ids[-1]] + s.draft.tokens[: s.verified], s.verified + 1) for s in sequences]
+    t = clock(device)
+    logits = feed_together(feeds)  # per sequence [keep, vocab]
+    elapsed = clock(device) - t
+    total_rows = sum(len(ids) for _, ids, _ in feeds)
+    chunks: list[Chunk | None] = []
+    for s, rows in zip(sequences, logits, strict=True):
+        if id(s) in prefill_rows:
+            s.stats.prefill_s += elapsed
+            s.stats.target_forward_passes += 1
+            chunks.append(None)
+        else:
+            share = elapsed if len(sequences) == 1 else elapsed * row_share(target, s.verified + 1, total_rows)
+            chunks.append(accept(s, rows, share))
+    return chunks
+
+
+def prefill_ids(s: Sequence, chunk: int | None) -> list[int]:
+    """The next prompt tokens to feed: the cache always ends one short of the sequence."""
+    start, end = len(s.cache), len(s.ids) - 1
+    return s.ids[start : end if chunk is None else min(end, start + chunk)]
+
+
+def draft_for(s: Sequence) -> None:
+    """Ask the sequence's drafters for this step's draft and let its schedule say how much of it to verify."""
+    # Draft no more than can be used: the sequence never outgrows the context, and a step emits
+    # its accepted tokens plus one, so r tokens still wanted need at most r - 1 draft tokens.
+    room = min(s.context - len(s.ids), s.config.max_new_tokens - s.stats.new_tokens) - 1
+    s.draft, s.part, s.draft_s = propose(s.parts, s.ids, s.run, room, s.sampler, s.stats, s.cache.device)
+    s.verified = max(0, min(s.run.trim(s.draft, s.part, room), room))
+
+
+def share_rows(decoding: list[Sequence], other_rows: int) -> None:
+    """Cut the sequences' verified drafts so that the whole step emits the most tokens per unit of time, given the
+    target's cost for the step's total rows (`other_rows`: prefill rows already in it). A schedule without
+    acceptance estimates (a fixed rule) keeps its length."""
+    if not any(s.verified for s in decoding):
+        return
+    target = decoding[0].target
+    rates = [s.run.rates(s.draft, s.part) if s.verified and hasattr(s.run, "rates") else None for s in decoding]
+    limits = [s.verified for s in decoding]
+    fixed = [0 if r is not None else n for r, n in zip(rates, limits, strict=True)]
+    chosen = batch_lookahead([r for r in rates if r is not None],
+                             [n for r, n in zip(rates, limits, strict=True) if r is not None],
+                             lambda rows: rows_cost(target, rows), other_rows + len(decoding) + sum(fixed))
+    it = iter(chosen)
+    for s, r in zip(decoding, rates, strict=True):
+        if r is not None:
+            s.verified = next(it)
+
+
+def rows_cost(target: Model, rows: int) -> float:
+    """t(rows) / t(1) for one forward pass of the target: its measured curve, extended linearly past its end."""
+    v = verification_costs(target)
+    if rows <= len(v):
+        return v[rows - 1]
+    half = len(v) // 2
+    slope = (v[-1] - v[half - 1]) / (len(v) - half)
+    return v[-1] + slope * (rows - len(v))
+
+
+def row_share(target: Model, rows: int, total_rows: int) -> float:
+    """The share of a batched step's time that a sequence's `rows` would have cost alone (for its schedule,
+    which learns the time of a plain step from its steps)."""
+    return min(1.0, rows_cost(target, rows) / rows_cost(target, total_rows))
+
+
+def accept(s: Sequence, logits, verify_s: float) -> Chunk:
+    """Verify the sequence's draft against the target's logits [verified+1, vocab], roll back, emit."""
+    n = s.verified
+    accepted, token, p = verify(logits, s.draft, n, s.sampler)
+    s.stats.verify_s += verify_s
+    s.cache.crop(len(s.ids) + accepted)  # roll back the rejected draft positions
+    s.drafter.observe(accepted, p)
+    s.run.update(Step(s.draft, s.part, n, accepted, token, s.draft_s, verify_s))
+    s.stats.record_step(n, accepted)
+
+    new = s.draft.tokens[:accepted] + [token]
+    new, finish = apply_stops(new, s.stats.new_tokens, s.config, s.eos, s.text)
+    s.ids.extend(new)
+    s.stats.new_tokens += len(new)
+    if finish is None and len(s.ids) >= s.context:
+        finish = "context"
+    s.stats.total_s = clock(s.cache.device) - s.started
+    if finish:
+        s.finish = finish
+        s.stats.finish_reason = finish
+        s.drafter.finish(s.ids)
+        s.stats.notes.update(s.drafter.report())
+        s.stats.notes.update(s.run.report())
+    return Chunk(new, s.text.delta(final=finish is not None), finish, s.stats)
 
 
 def drafter_parts(drafter: Drafter) -> list:
@@ -85,15 +209,6 @@ def drafter_parts(drafter: Drafter) -> list:
     if isinstance(drafter, NoDrafter):
         return []
     return list(getattr(drafter, "parts", [drafter]))
-
-
-def prefill(cache: KVCache, ids: list[int], stats: Stats) -> None:
-    """Fill the target cache with every prompt token but the last (the first step feeds that one)."""
-    t = clock(cache.device)
-    if len(ids) > 1:
-        cache.feed(ids[:-1], logits_to_keep=1)
-        stats.target_forward_passes += 1
-    stats.prefill_s += clock(cache.device) - t
 
 
 def propose(parts: list, ids: list[int], schedule: ScheduleRun, room: int, sampler: Sampler, stats: Stats,
@@ -111,24 +226,19 @@ def propose(parts: list, ids: list[int], schedule: ScheduleRun, room: int, sampl
     return Draft(), "", 0.0
 
 
-def verify(cache: KVCache, ids: list[int], draft: Draft, n: int, sampler: Sampler, stats: Stats):
-    """One target forward over [last token, d_1..d_n] (the first n draft tokens).
+def verify(logits, draft: Draft, n: int, sampler: Sampler):
+    """Judge the first n draft tokens against the target's logits [n+1, vocab] over [last token, d_1..d_n].
 
-    Returns (accepted draft tokens, next token, p [n+1, vocab] when sampling else None, seconds).
+    Returns (accepted draft tokens, next token, p [n+1, vocab] when sampling else None).
     """
-    t = clock(cache.device)
     tokens = draft.tokens[:n]
-    logits = cache.feed([ids[-1]] + tokens, logits_to_keep=n + 1)  # [n+1, vocab]
-    p = None
     if sampler.greedy:
         accepted, token = verify_greedy(logits, tokens)
-    else:
-        p = sampler.probs(logits)
-        q = None if draft.probs is None else draft.probs[:n]
-        accepted, token = verify_speculative(p, q, tokens, sampler)
-    elapsed = clock(cache.device) - t
-    stats.verify_s += elapsed
-    return accepted, token, p, elapsed
+        return accepted, token, None
+    p = sampler.probs(logits)
+    q = None if draft.probs is None else draft.probs[:n]
+    accepted, token = verify_speculative(p, q, tokens, sampler)
+    return accepted, token, p
 
 
 def apply_stops(

@@ -11,6 +11,9 @@ Vocabulary (Leviathan et al. 2023, with a measured verification cost instead of 
 A step that verifies k draft tokens emits E(k) = 1 + sum_{i=1..k} prod_{j<=i} rates[j-1] tokens
 (the accepted ones and the target's own) and costs k*c + v[k] plain steps, so it produces
 E(k) / (k*c + v[k]) tokens per unit of time relative to plain decoding (`expected_gain`; 1 at k = 0).
+For a batch of sequences verified in one forward pass, `batch_lookahead` picks each one's k for the whole
+step: the step costs t(N) for its N rows in all (t(n) / t(1) given as a function), and emits the sum
+of the sequences' E(k_i).
 A fractional k (a mean lookahead) is the mix of its two neighbouring integers with that mean: E and
 the cost are interpolated linearly between them. `MAX_K` is the most draft tokens any step verifies.
 """
@@ -61,3 +64,26 @@ def best_lookahead(rates: list[float], costs: list[float], c: float, k_max: int)
     """The k in 0..k_max with the highest expected gain; k = 0 (plain decoding, gain 1) unless drafting beats it."""
     k, gain = best_draft_length(rates, costs, c, k_max)
     return (k, gain) if gain > 1.0 else (0, 1.0)
+
+
+def batch_lookahead(rates: list[list[float]], limits: list[int], cost, fixed_rows: int) -> list[int]:
+    """Each sequence's k_i <= limits[i] maximising the step's tokens per unit of time, sum E_i(k_i) / cost(N), where
+    N = fixed_rows (every other row of the step, each sequence's own last token included) + sum k_i, and
+    cost(n) = t(n) / t(1). Draft tokens are added one at a time where they add the most expected tokens (E_i's
+    increments shrink with k); the best point along that path wins, ties to fewer rows, so a step is never
+    planned slower per token than verifying no draft at all."""
+    k = [0] * len(rates)
+    tokens = float(len(rates))
+    rows = fixed_rows
+    best, best_rate = list(k), tokens / cost(rows)
+    while True:
+        open_ = [i for i in range(len(rates)) if k[i] < limits[i]]
+        if not open_:
+            return best
+        i = max(open_, key=lambda i: expected_tokens(rates[i], k[i] + 1) - expected_tokens(rates[i], k[i]))
+        tokens += expected_tokens(rates[i], k[i] + 1) - expected_tokens(rates[i], k[i])
+        k[i] += 1
+        rows += 1
+        rate = tokens / cost(rows)
+        if rate > best_rate:
+            best, best_rate = list(k), rate

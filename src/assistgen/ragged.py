@@ -50,7 +50,7 @@ class SequenceKV:
             raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
         self.length = length
 
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, start: int):
         """Store key/value [1, kv_heads, n, d] at positions start..start+n-1 of `layer`; return the layer's keys
         and values for positions 0..start+n-1 (views, [1, kv_heads, start+n, d])."""
         while len(self.keys) <= layer:
@@ -197,18 +197,24 @@ def sequence_mask(past: int, n: int, window: int | None, device, explicit: bool 
 
 
 def attach(model: torch.nn.Module) -> None:
-    """Route the model's attention through `_ragged_attention` (idempotent); what it had becomes the inner one."""
-    config = model.config
-    if config._attn_implementation == ATTENTION:
-        return
+    """Route the model's attention through `_ragged_attention` (idempotent); what it had becomes the inner one.
+    Every config the model's modules read is switched: layers shared with another model (early exit's truncated
+    copy) read that model's config."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     if ATTENTION not in AttentionInterface._global_mapping:
         AttentionInterface.register(ATTENTION, _ragged_attention)
         AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # plain forwards (no plan) get SDPA's mask
-    setattr(config, _INNER, config._attn_implementation or "sdpa")
-    config._attn_implementation = ATTENTION
+    configs = {id(model.config): model.config}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            configs.setdefault(id(config), config)
+    for config in configs.values():
+        if config._attn_implementation != ATTENTION:
+            setattr(config, _INNER, config._attn_implementation or "sdpa")
+            config._attn_implementation = ATTENTION
 
 
 def inner_attention(config) -> str | None:

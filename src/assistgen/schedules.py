@@ -11,6 +11,9 @@ whatever the generation learns and answers the loop in `engine.py`:
     trim(draft, part, room) -> int  how many of the proposed tokens to verify (<= len(draft.tokens));
                                 room: the most draft tokens that can still be used (the generation ends
                                 after room + 1 more tokens), or None when unknown;
+    rates(draft, part) -> list | None  the acceptance estimate (`gain.py`'s rates) for that draft, which a
+                                batched step uses to share its rows among sequences (`gain.batch_lookahead`);
+                                None for a fixed rule, whose drafts are verified as trimmed;
     update(step)                the outcome of the step (`Step`);
     report() -> dict            figures for the statistics;
 and `min_confidence` (a model drafter stops early when its top probability falls below it; 0
@@ -64,6 +67,8 @@ class ScheduleRun(Protocol):
 
     def trim(self, draft: Draft, part: str = "", room: int | None = None) -> int: ...
 
+    def rates(self, draft: Draft, part: str = "") -> list[float] | None: ...
+
     def update(self, step: Step) -> None: ...
 
     def report(self) -> dict: ...
@@ -101,6 +106,9 @@ class Constant:
 
     def trim(self, draft: Draft, part: str = "", room: int | None = None) -> int:
         return len(draft.tokens)
+
+    def rates(self, draft: Draft, part: str = "") -> None:
+        return None
 
     def update(self, step: Step) -> None:
         pass
@@ -143,6 +151,9 @@ class HeuristicRun:
 
     def trim(self, draft: Draft, part: str = "", room: int | None = None) -> int:
         return len(draft.tokens)
+
+    def rates(self, draft: Draft, part: str = "") -> None:
+        return None
 
     def update(self, step: Step) -> None:
         if step.verified == 0:
@@ -363,6 +374,9 @@ class AdaptiveRun:
         if room is not None and k < room <= len(draft.tokens) and finishing_pays(rates, self.costs, k, gain, room):
             return room
         return k
+
+    def rates(self, draft: Draft, part: str = "") -> list[float]:
+        return self.estimate(draft.source or part, part).estimate()
 
     def update(self, step: Step) -> None:
         if self.costs is None:
