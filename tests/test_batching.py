@@ -1,0 +1,166 @@
+"""The batched loop: one forward pass over several sequences' rows (ragged), `engine.step` over a batch, the
+row-sharing policy, and `BatchEngine` (joining between steps, chunked prefill, cancellation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import encode, tiny_gemma3, tiny_gpt2, tiny_llama
+
+from assistgen import Constant
+from assistgen.batching import BatchEngine, EngineSettings, QueueFull
+from assistgen.cache import KVCache, feed_together
+from assistgen.config import GenerationConfig
+from assistgen.drafters import NoDrafter, PromptLookupDrafter
+from assistgen.engine import begin, step, stream
+from assistgen.gain import batch_lookahead, expected_tokens
+from assistgen.quantize import quantize
+from assistgen.schedules import Adaptive
+from assistgen.transforms import optimize
+
+ARCHS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "gemma3": tiny_gemma3}
+TEXTS = ["the cat sat on the mat and the cat sat on the mat and the",
+         "one two three one two three one two three one two",
+         "a b c d e f g a b c d e f g a b c",
+         "Sliding windows must roll back exactly: sliding windows must roll back exactly: sliding",
+         "hello world, hello world, hello",
+         "x"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_feed_together_equals_a_full_forward_per_sequence(arch, one_thread):
+    """Uneven prefills, a rolled-back draft, then rows of different counts in one pass: each sequence's logits are
+    the full uncached forward's (gemma3: sequences longer than its sliding window of 16)."""
+    model = ARCHS[arch]()
+    seqs = [encode(t) for t in TEXTS[:4]]
+    with torch.inference_mode():
+        full = [model.hf(torch.tensor([s])).logits[0].float() for s in seqs]  # [len, vocab] each
+    caches = [KVCache(model.hf) for _ in seqs]
+    cuts = [10, 3, 7, 20]
+    feed_together([(c, s[:n], 1) for c, s, n in zip(caches, seqs, cuts, strict=True)])
+    feed_together([(c, [5, 6, 7], 3) for c in caches])  # a draft, rejected:
+    for c, n in zip(caches, cuts, strict=True):
+        c.crop(n)
+    rows = [1, 4, 2, 30]
+    got = feed_together([(c, s[n:n + r], r) for c, s, n, r in zip(caches, seqs, cuts, rows, strict=True)])
+    for g, f, n, r in zip(got, full, cuts, rows, strict=True):
+        torch.testing.assert_close(g, f[n:n + r], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_rows_are_bitwise_the_same_alone_or_in_a_batch(scheme, one_thread):
+    model = tiny_llama()
+    quantize(model.hf, scheme)
+    model.quantization = scheme
+    optimize(model)
+    seqs = [encode(t) for t in TEXTS[:3]]
+    alone = []
+    for s in seqs:
+        c = KVCache(model.hf)
+        c.feed(s[:8])
+        alone.append(c.feed(s[8:12], logits_to_keep=4))
+    caches = [KVCache(model.hf) for _ in seqs]
+    feed_together([(c, s[:8], 1) for c, s in zip(caches, seqs, strict=True)])
+    together = feed_together([(c, s[8:12], 4) for c, s in zip(caches, seqs, strict=True)])
+    for a, t in zip(alone, together, strict=True):
+        assert torch.equal(a, t)
+
+
+def run_batch(model, prompts, drafter, schedule, config, max_batch=8, prefill_chunk=None) -> tuple[list, int]:
+    """Every prompt through `step` with at most `max_batch` at once (the rest join as others finish); returns each
+    one's tokens and the largest batch stepped."""
+    waiting = list(enumerate(prompts))
+    running, out, largest = [], [None] * len(prompts), 0
+    while waiting or running:
+        while waiting and len(running) < max_batch:
+            i, p = waiting.pop(0)
+            running.append((i, begin(model, p, drafter(), schedule, config), []))
+        largest = max(largest, len(running))
+        for (_, _, tokens), chunk in zip(running, step([s for _, s, _ in running], prefill_chunk), strict=True):
+            if chunk is not None:
+                tokens.extend(chunk.tokens)
+        for i, s, tokens in running:
+            if s.finish is not None:
+                out[i] = tokens
+        running = [r for r in running if r[1].finish is None]
+    return out, largest
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_in_a_batch_equals_alone(arch, one_thread):
+    """Six prompts, four at a time, prompts fed in chunks of 5 beside decoding rows, prompt lookup drafting with the
+    cost-aware policy sharing rows: every sequence is what it is alone, and drafting happened."""
+    model = ARCHS[arch]()
+    prompts = [encode(t) for t in TEXTS]
+    config = GenerationConfig(max_new_tokens=24, eos_token_ids=())
+    alone = [[t for c in stream(model, p, PromptLookupDrafter(), Adaptive(), config) for t in c.tokens]
+             for p in prompts]
+    plain = [[t for c in stream(model, p, NoDrafter(), Adaptive(), config) for t in c.tokens] for p in prompts]
+    assert alone == plain
+    batched, largest = run_batch(model, prompts, PromptLookupDrafter, Adaptive(), config, max_batch=4,
+                                 prefill_chunk=5)
+    assert largest == 4
+    assert batched == alone
+    drafted = begin(model, prompts[0], PromptLookupDrafter(), Constant(3), config)
+    while drafted.finish is None:
+        step([drafted])
+    assert drafted.stats.drafted_tokens > 0
+
+
+def test_sampling_in_a_batch_keeps_each_request_stream(one_thread):
+    """With a fixed lookahead, a seeded sampled sequence draws the same tokens whatever runs beside it: every
+    request has its own sampler."""
+    model = tiny_llama()
+    prompts = [encode(t) for t in TEXTS[:4]]
+    configs = [GenerationConfig(max_new_tokens=20, temperature=1.0, seed=s, eos_token_ids=()) for s in range(4)]
+    alone = [[t for c in stream(model, p, PromptLookupDrafter(), Constant(3), cfg) for t in c.tokens]
+             for p, cfg in zip(prompts, configs, strict=True)]
+    seqs = [begin(model, p, PromptLookupDrafter(), Constant(3), cfg) for p, cfg in zip(prompts, configs, strict=True)]
+    tokens = [[] for _ in seqs]
+    while any(s.finish is None for s in seqs):
+        live = [i for i, s in enumerate(seqs) if s.finish is None]
+        for i, chunk in zip(live, step([seqs[i] for i in live]), strict=True):
+            if chunk is not None:
+                tokens[i].extend(chunk.tokens)
+    assert tokens == alone
+    assert sum(s.stats.drafted_tokens for s in seqs) > 0
+
+
+def test_batch_lookahead_drafts_only_where_the_step_gains():
+    rates = [[0.9], [0.2], [0.6]]
+    limits = [5, 5, 5]
+    flat = batch_lookahead(rates, limits, lambda rows: 1.0, fixed_rows=3)  # rows are free: verify everything
+    assert flat == limits
+    linear = batch_lookahead(rates, limits, lambda rows: rows / 3, fixed_rows=3)  # every row costs a full share
+    assert linear == [0, 0, 0]
+    curve = lambda rows: 1.0 + 0.1 * max(0, rows - 3)  # noqa: E731 - a cheap row each
+    chosen = batch_lookahead(rates, limits, curve, fixed_rows=3)
+    assert chosen[0] >= chosen[2] >= chosen[1]  # likelier drafts get more rows
+
+    def rate(k):
+        return sum(expected_tokens(r, n) for r, n in zip(rates, k, strict=True)) / curve(3 + sum(k))
+
+    assert rate(chosen) >= max(rate([0, 0, 0]), rate(limits))
+    assert batch_lookahead([], [], curve, fixed_rows=4) == []
+
+
+def test_engine_joins_cancels_and_refuses_past_its_queue(one_thread):
+    model = tiny_llama()
+    engine = BatchEngine(model, PromptLookupDrafter, Adaptive(), EngineSettings(max_batch=2, max_queue=2,
+                                                                                prefill_chunk=4))
+    config = GenerationConfig(max_new_tokens=30, eos_token_ids=())
+    requests = [engine.submit(encode(t), config) for t in TEXTS[:2]]
+    with pytest.raises(QueueFull, match="max_queue"):
+        engine.submit(encode(TEXTS[2]), config)
+    engine.start()
+    first = next(iter(requests[0]))
+    requests[0].cancel()
+    rest = list(requests[0])
+    assert (rest[-1] if rest else first).finish_reason == "cancelled"
+    out = [t for c in requests[1] for t in c.tokens]
+    assert out == [t for c in stream(model, encode(TEXTS[1]), PromptLookupDrafter(), Adaptive(), config)
+                   for t in c.tokens]
+    late = engine.submit(encode(TEXTS[3]), config)
+    assert [c.finish_reason for c in late][-1] == "length"
+    engine.shutdown(timeout=30)
+    assert not engine.thread.is_alive() and engine.num_running == 0
