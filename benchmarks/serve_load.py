@@ -2,13 +2,16 @@
 
 Contract: for each configuration (plain: no drafter; lookup: `--lookup` speculation) it starts the server
 itself (`python -m assistgen.cli serve` on a free 127.0.0.1 port), and for each concurrency c runs c
-clients, each issuing `--requests` streamed chat completions over prompts of the suite (first turn of
-each record, cycled), then stops the server. It measures aggregate completion tokens per second
+clients sharing `--round-requests` streamed chat completions (each client takes the next prompt when its
+last one is done) over prompts of the suite (first turn of each record, optionally of some
+`--categories` only, cycled in a fixed order: every configuration gets the same requests), then stops the
+server. It measures aggregate completion tokens per second
 (tokens of all requests / wall time of the round), p50/p95 time to first token and inter-token latency
 (the gap between successive streamed text chunks as the client sees them: one per verification step,
-which may carry several tokens). Prints a table, then one JSON line; writes a PNG of tok/s vs concurrency.
+which may carry several tokens). Prints a table, the speculation / plain ratio per concurrency, then one
+JSON line; writes a PNG of tok/s vs concurrency.
 
-    python benchmarks/serve_load.py --model smollm2-135m --concurrency 1 2 4 8 16 --requests 4 --max-tokens 64
+    python benchmarks/serve_load.py --model smollm2-135m --concurrency 1 2 4 8 16 --round-requests 16 --max-tokens 64
 """
 
 from __future__ import annotations
@@ -113,14 +116,16 @@ async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: str
 async def run_round(url: str, args, config: str, concurrency: int, prompts: list[str]) -> Round:
     result = Round(config, concurrency)
 
-    async def client(index: int, http: httpx.AsyncClient):
-        for r in range(args.requests):
-            prompt = prompts[(index * args.requests + r) % len(prompts)]
+    queue = list(range(args.round_requests))
+
+    async def client(http: httpx.AsyncClient):
+        while queue:
+            prompt = prompts[queue.pop(0) % len(prompts)]
             await one_request(http, url, args.model, prompt, args.max_tokens, result)
 
     async with httpx.AsyncClient(timeout=args.request_timeout) as http:
         started = time.perf_counter()
-        await asyncio.gather(*(client(i, http) for i in range(concurrency)))
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
         result.seconds = time.perf_counter() - started
     return result
 
@@ -132,6 +137,13 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{r['config']:<8}{r['concurrency']:>8}{r['tokens']:>8}{r['tok_s']:>8.1f}{r['ttft_p50']:>10.3f}"
                      f"{r['ttft_p95']:>10.3f}{r['itl_p50']:>9.3f}{r['itl_p95']:>9.3f}")
     return "\n".join(lines)
+
+
+def speculation_ratios(rows: list[dict]) -> dict[int, float]:
+    """{concurrency: lookup tok/s / plain tok/s} where both ran."""
+    by = {(r["config"], r["concurrency"]): r["tok_s"] for r in rows}
+    return {c: by[("lookup", c)] / by[("plain", c)] for (config, c) in by
+            if config == "lookup" and by.get(("plain", c))}
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -159,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4, 8, 16])
-    parser.add_argument("--requests", type=int, default=4, help="streamed requests per client")
+    parser.add_argument("--round-requests", type=int, default=16, help="streamed requests per round, over its clients")
+    parser.add_argument("--categories", nargs="+", help="only prompts of these suite categories")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-batch", type=int, help="passed to the server (default: EngineSettings')")
     parser.add_argument("--prompts", type=Path, default=default_suite())
@@ -168,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request-timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
 
-    prompts = [p.turns[0] for p in read_prompts(args.prompts)]
+    prompts = [p.turns[0] for p in read_prompts(args.prompts) if not args.categories or p.category in args.categories]
+    if not prompts:
+        parser.error(f"no prompts of categories {args.categories} in {args.prompts}")
     rows = []
     for config in args.configs:
         port = free_port()
@@ -181,8 +196,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop_server(process)
     print(table(rows))
-    print(json.dumps({"model": args.model, "max_tokens": args.max_tokens, "requests_per_client": args.requests,
-                      "rows": rows}))
+    ratios = speculation_ratios(rows)
+    for concurrency, ratio in ratios.items():
+        print(f"clients {concurrency}: lookup / plain tok/s = {ratio:.2f}x")
+    print(json.dumps({"model": args.model, "max_tokens": args.max_tokens, "round_requests": args.round_requests,
+                      "categories": args.categories, "rows": rows, "lookup_over_plain": ratios}))
     args.plot.parent.mkdir(parents=True, exist_ok=True)
     plot(rows, args.plot)
     print(f"plot: {args.plot}", file=sys.stderr)

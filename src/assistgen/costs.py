@@ -6,7 +6,7 @@ verifies k draft tokens feeds k+1 tokens, so it costs v[k] plain steps (v[0] = 1
 the model as it runs, after its transforms (`transforms.optimize` tunes the linear routes first), once
 per model, machine and software stack (a few seconds), and cached as JSON under
 `$ASSISTGEN_CACHE/costs/`, keyed by a fingerprint (model, quantization, library versions, CPU,
-threads, the applied routes and attention), so a change of any of them measures again;
+threads, the applied routes and attention, the KV layout), so a change of any of them measures again;
 `refresh=True` or deleting the file re-measures. Models built in memory (no `cache_key`) are measured
 once per process. How long a drafter takes per proposed token is measured online by the adaptive
 schedule, not here. The policy reads this module; loading and transforms do not.
@@ -34,7 +34,7 @@ def _set_up(model: Model) -> tuple[str, ...]:
     route = getattr(model.hf, "_assistgen_routes", None)
     return (f"quantization={getattr(model, 'quantization', None)}",
             f"routes={applied_routes(model.hf)}|{route.get('padded') if route else None}",
-            f"attention={grouped_attention_applied(model.hf)}")
+            f"attention={grouped_attention_applied(model.hf)}", "kv=ragged")
 
 
 def fingerprint(model: Model) -> str:

@@ -6,8 +6,9 @@ a loaded model's engine) serving `POST /v1/completions`, `POST /v1/chat/completi
 text from the app's own registry). Every request is checked in full before it reaches the engine; a
 client mistake answers 4xx with OpenAI's error body `{"error": {"message", "type", "param", "code"}}`
 (400 bad input, 404 unknown model, 429 queue full, 503 shutting down), anything else 500 with the same
-body. A client that goes away mid-generation has its engine request cancelled. Responses carry, besides
-OpenAI's fields, `metrics.speculative_decoding` with vLLM's names, from the request's final `Stats`:
+body. A client that goes away mid-generation (streamed or not) has its engine request cancelled.
+Responses carry, besides OpenAI's fields, `metrics.speculative_decoding` with vLLM's names, from the
+request's final `Stats`:
   num_spec_steps            = stats.draft_steps (verification steps that checked >= 1 draft token)
   num_draft_tokens          = stats.drafted_tokens
   num_accepted_draft_tokens = stats.accepted_tokens
@@ -52,6 +53,7 @@ from assistgen.engine import Chunk, check_prompt, context_limit
 from assistgen.ngram import NGramCache
 from assistgen.stats import Stats
 
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 FINISH_REASONS = {"length": "length", "context": "length", "eos": "stop", "stop": "stop", "cancelled": "abort"}
 
 
@@ -425,16 +427,26 @@ def create_app(engine: BatchEngine, settings: ServerSettings,
             raise error
         return job
 
-    async def respond(body: Sampling, job: Job, chat: bool) -> Response:
+    async def cancel_when_gone(job: Job, http: HTTPRequest) -> None:
+        """A client waiting for a whole reply that goes away cancels its engine request (streams: `follow`)."""
+        while not await http.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+        job.request.cancel()
+
+    async def respond(body: Sampling, job: Job, chat: bool, http: HTTPRequest) -> Response:
         reply_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": reply_id, "created": int(time.time()), "model": settings.model_name}
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(events(job, head, chat, usage), media_type="text/event-stream")
-        return await reply(job, head, chat)
+        return await reply(job, head, chat, http)
 
-    async def reply(job: Job, head: dict, chat: bool) -> JSONResponse:
-        await complete(job)
+    async def reply(job: Job, head: dict, chat: bool, http: HTTPRequest) -> JSONResponse:
+        watcher = asyncio.create_task(cancel_when_gone(job, http))
+        try:
+            await complete(job)
+        finally:
+            watcher.cancel()
         text = "".join(job.texts)
         choice = {"index": 0, "finish_reason": FINISH_REASONS.get(job.last.finish_reason)}
         if chat:
@@ -474,13 +486,13 @@ def create_app(engine: BatchEngine, settings: ServerSettings,
         check_model(body.model)
         prompt = completion_prompt(body.prompt)
         job = submit(body, encoded(lambda: encode_prompt(target, prompt), "prompt"), http)
-        return await respond(body, job, chat=False)
+        return await respond(body, job, False, http)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: HTTPRequest):
         check_model(body.model)
         job = submit(body, encoded(lambda: encode_chat(target, message_dicts(body.messages)), "messages"), http)
-        return await respond(body, job, chat=True)
+        return await respond(body, job, True, http)
 
     @app.get("/v1/models")
     async def models():
@@ -521,7 +533,7 @@ def serve(args) -> int:
     drafters = partial(make_drafter, target, assistant, args.lookup, args.early_exit or False)
     drafters()  # bad drafter options fail here, before the server starts
     schedule = as_schedule(args.schedule) if args.schedule is not None else default_schedule()
-    given = {n: getattr(args, n) for n in ("max_batch", "max_queue") if getattr(args, n) is not None}
+    given = {n: getattr(args, n) for n in ("max_batch", "max_queue", "prefill_chunk") if getattr(args, n) is not None}
     engine = BatchEngine(target, drafters, schedule, EngineSettings(**given))
     app = create_app(engine, ServerSettings(model_name=args.model, ngram_cache=args.ngram_cache), drafters)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
