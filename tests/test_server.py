@@ -3,7 +3,10 @@ with the official `openai` client and httpx; no mocks."""
 
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -137,15 +140,18 @@ def test_chat_stream_with_usage_matches_non_stream(live, smollm2):
     assert usage.completion_tokens == reply.usage.completion_tokens == len(expected.token_ids)
 
 
-def test_eight_concurrent_streams_each_match_their_single_run(live):
+def test_eight_concurrent_streams_each_match_their_single_run(live, smollm2):
     client = live.client
     prompts = [f"{w} one, {w} two, {w} one, {w} two, {w} one," for w in
                ("red", "blue", "green", "cat", "dog", "sun", "moon", "tree")]
-    singles = [client.completions.create(model=NAME, prompt=p, max_tokens=8) for p in prompts]
+    singles = [client.completions.create(model=NAME, prompt=p, max_tokens=24) for p in prompts]
     with ThreadPoolExecutor(8) as pool:
-        streamed = list(pool.map(lambda p: stream_text(client, p, 8), prompts, timeout=120))
+        streamed = list(pool.map(lambda p: stream_text(client, p, 24), prompts, timeout=120))
     assert [text for text, _ in streamed] == [s.choices[0].text for s in singles]
+    assert [text for text, _ in streamed] == [generate(smollm2, p, lookup=True, max_new_tokens=24).text
+                                              for p in prompts]  # the library alone, in this process
     assert any(s.model_extra["metrics"]["speculative_decoding"]["num_draft_tokens"] > 0 for s in singles)
+    assert live.engine.largest_batch >= 4  # the streams were stepped together
 
 
 def test_metrics_count_what_the_responses_report(live):
@@ -171,16 +177,21 @@ def test_metrics_count_what_the_responses_report(live):
     assert after["assistgen:num_requests_running"] == 0
 
 
-def test_client_disconnect_cancels_the_engine_request(live):
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole-reply"])
+def test_client_disconnect_cancels_the_engine_request(live, stream):
     submitted = []
     original = live.engine.submit
     live.engine.submit = lambda *a, **k: submitted.append(original(*a, **k)) or submitted[-1]  # a spy
     try:
-        body = {"model": NAME, "prompt": REPEATING, "max_tokens": 32, "stream": True}
-        with httpx.Client(timeout=30) as http, http.stream("POST", f"{live.url}/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            first = next(line for line in r.iter_lines() if line.startswith("data: "))
-            assert '"text_completion"' in first
+        body = {"model": NAME, "prompt": REPEATING, "max_tokens": 32, "stream": stream}
+        if stream:
+            with httpx.Client(timeout=30) as http, http.stream("POST", f"{live.url}/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                first = next(line for line in r.iter_lines() if line.startswith("data: "))
+                assert '"text_completion"' in first
+        else:  # a client that gives up waiting for the whole reply
+            with httpx.Client(timeout=httpx.Timeout(30, read=0.3)) as http, pytest.raises(httpx.ReadTimeout):
+                http.post(f"{live.url}/v1/completions", json=body)
     finally:
         live.engine.submit = original
     (request,) = submitted
@@ -248,3 +259,29 @@ def test_fuzz_never_5xx(small):
                 assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
         check()
+
+
+def test_the_command_serves_and_exits_0_on_sigterm(tmp_path):
+    """`assistgen serve` as a user starts it: it answers, and SIGTERM stops it cleanly (exit status 0)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "assistgen.cli", "serve", "--model", NAME, "--lookup", "--port", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", timeout=60, max_retries=0)
+        assert client.completions.create(model=NAME, prompt=REPEATING, max_tokens=4).usage.completion_tokens == 4
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+        assert f"serving {NAME} at http://127.0.0.1:{port}/v1" in process.stdout.read()
+    finally:
+        if process.poll() is None:
+            process.kill()

@@ -1,6 +1,7 @@
 """The serving engine: one thread steps every running request together through the generation loop.
 
-Contract: `BatchEngine(target, make_drafter, schedule, settings)` owns a target model and a thread.
+Contract: `BatchEngine(target, make_drafter, schedule, settings)` owns a target model and the thread
+its loop runs on: its own (`start`) or the caller's (`run_forever`).
 `submit(prompt_ids, config, on_chunk, drafter=None)` queues a request (raises `QueueFull` past `settings.max_queue`
 waiting requests, `ConfigError` for a bad prompt or config) and returns its `Request` handle; the
 engine thread admits waiting requests between steps (at most `settings.max_batch` run at once) and
@@ -8,8 +9,8 @@ delivers each request's `engine.Chunk`s, in order, to `on_chunk` (called on the 
 default they go to a queue that iterating the `Request` reads). The last chunk of a request has its
 `finish_reason` set: length | eos | stop | context, or "cancelled" (`Request.cancel()`, e.g. a client
 that went away: its rows are freed before the next step), or "error" (`Request.error` says what).
-`shutdown()` stops admitting requests, lets the running ones finish (or cancels them) and joins
-the thread. Each request gets its own drafter: the one given to `submit`, else a fresh one from
+`shutdown()` stops admitting requests, lets the running ones finish (or cancels them) and waits for
+the loop to return. Each request gets its own drafter: the one given to `submit`, else a fresh one from
 `make_drafter()` (drafters hold per-request state: caches, estimates), its own sampler and schedule
 run; only the target and its weights are shared. Greedy output of a request is the output
 `engine.stream` gives for it alone.
@@ -97,14 +98,30 @@ class BatchEngine:
         self.lock = threading.Condition()
         self.accepting = True
         self.thread: threading.Thread | None = None
+        self.largest_batch = 0  # the most requests stepped together so far
+        self.finished = threading.Event()  # set when the loop has returned
 
     # --- the client side ----------------------------------------------------------------------------------
 
     def start(self) -> BatchEngine:
+        """Run the loop on a thread of its own (no-op when it already runs, e.g. in `run_forever`)."""
         if self.thread is None:
             self.thread = threading.Thread(target=self._run, name="assistgen-engine", daemon=True)
             self.thread.start()
         return self
+
+    def run_forever(self, claimed: Callable[[], None] | None = None) -> None:
+        """Run the loop in the calling thread until `shutdown` (from another thread) has drained it; `claimed` is
+        called once the engine belongs to this thread (e.g. to start the HTTP server, whose `start` is then a
+        no-op). The command line server runs it in the main thread: there PyTorch's multi-threaded CPU kernels
+        (attention) ran up to twice as fast as from a second Python thread on the 2-core machines measured
+        (docs/benchmarks.md)."""
+        if self.thread is not None:
+            raise RuntimeError("the engine already runs")
+        self.thread = threading.current_thread()
+        if claimed is not None:
+            claimed()
+        self._run()
 
     def submit(self, prompt_ids: list[int], config: GenerationConfig,
                on_chunk: Callable[[Chunk], None] | None = None, drafter: Drafter | None = None) -> Request:
@@ -128,8 +145,8 @@ class BatchEngine:
                 for request in [*self.running, *self.waiting]:
                     request.cancel()
             self.lock.notify_all()
-        if self.thread is not None:
-            self.thread.join(timeout)
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.finished.wait(timeout)
 
     @property
     def num_running(self) -> int:
@@ -142,11 +159,17 @@ class BatchEngine:
     # --- the engine thread ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self.finished.set()
+
+    def _loop(self) -> None:
         active: list[tuple[Request, Sequence]] = []
         while True:
             with self.lock:
                 while not self.waiting and not active and self.accepting:
-                    self.lock.wait()
+                    self.lock.wait(0.5)  # with a timeout: a main thread waiting here still takes signals
                 if not self.waiting and not active:
                     return  # shut down and drained
                 joining = []
@@ -157,6 +180,7 @@ class BatchEngine:
             self.running = [r for r, _ in active]
             if not active:
                 continue
+            self.largest_batch = max(self.largest_batch, len(active))
             try:
                 chunks = step([s for _, s in active], self.settings.prefill_chunk)
             except Exception as e:  # noqa: BLE001 - a failed step ends its requests, not the engine
