@@ -164,3 +164,17 @@ def test_engine_joins_cancels_and_refuses_past_its_queue(one_thread):
     assert [c.finish_reason for c in late][-1] == "length"
     engine.shutdown(timeout=30)
     assert not engine.thread.is_alive() and engine.num_running == 0
+
+
+def test_rows_cost_follows_the_measured_curve_past_one_sequence(one_thread):
+    from assistgen.costs import WIDE_ROWS, calibration, rows_cost
+
+    model = tiny_llama()
+    record = calibration(model)
+    v = record["verification_costs"]
+    assert [rows_cost(model, n) for n in range(1, len(v) + 1)] == v
+    assert [rows_cost(model, n) for n in WIDE_ROWS] == pytest.approx(record["wide_costs"])
+    between = rows_cost(model, (WIDE_ROWS[-2] + WIDE_ROWS[-1]) // 2)
+    assert min(record["wide_costs"][-2:]) <= between <= max(record["wide_costs"][-2:])
+    slope = (record["wide_costs"][-1] - record["wide_costs"][-2]) / (WIDE_ROWS[-1] - WIDE_ROWS[-2])
+    assert rows_cost(model, 2 * WIDE_ROWS[-1]) == pytest.approx(record["wide_costs"][-1] + slope * WIDE_ROWS[-1])

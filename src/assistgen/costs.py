@@ -4,7 +4,8 @@ Contract: `verification_costs(model)` returns v with v[k] = t(k+1) / t(1), where
 target forward pass over n new tokens after a short context (`timing.step_times`). A step that
 verifies k draft tokens feeds k+1 tokens, so it costs v[k] plain steps (v[0] = 1). It is measured on
 the model as it runs, after its transforms (`transforms.optimize` tunes the linear routes first), once
-per model, machine and software stack (a few seconds), and cached as JSON under
+per model, machine and software stack (a few seconds), together with t(n) / t(1) at a few wider row counts
+(`WIDE_ROWS`, for batched steps over many sequences: `rows_cost`), and cached as JSON under
 `$ASSISTGEN_CACHE/costs/`, keyed by a fingerprint (model, quantization, library versions, CPU,
 threads, the applied routes and attention, the KV layout), so a change of any of them measures again;
 `refresh=True` or deleting the file re-measures. Models built in memory (no `cache_key`) are measured
@@ -25,6 +26,8 @@ from assistgen.timing import measurement_key, measurement_path, step_times
 
 if TYPE_CHECKING:
     from assistgen.models import Model
+
+WIDE_ROWS = (24, 32, 64, 128)  # row counts past MAX_K + 1 measured for batched steps (`rows_cost`)
 
 
 def _set_up(model: Model) -> tuple[str, ...]:
@@ -61,7 +64,7 @@ def calibration(model: Model, refresh: bool = False) -> dict:
     if path is not None and path.exists() and not refresh:
         try:
             record = json.loads(path.read_text())
-            record["verification_costs"]  # noqa: B018 - a file without it is measured again
+            record["verification_costs"], record["wide_costs"]  # noqa: B018 - a file without them is measured again
         except (OSError, ValueError, KeyError):
             record = None
     if record is None:
@@ -76,5 +79,21 @@ def calibration(model: Model, refresh: bool = False) -> dict:
 @torch.inference_mode()
 def measure_costs(model: Model) -> dict:
     times = step_times(model, max_k=MAX_K)
+    wide = step_times(model, repeats=2, rows=list(WIDE_ROWS))
     return {"model": model.name, "measured": time.strftime("%Y-%m-%d %H:%M"),
-            "step_seconds": [round(t, 6) for t in times], "verification_costs": [t / times[0] for t in times]}
+            "step_seconds": [round(t, 6) for t in times], "verification_costs": [t / times[0] for t in times],
+            "wide_rows": list(WIDE_ROWS), "wide_costs": [t / times[0] for t in wide]}
+
+
+def rows_cost(model: Model, rows: int) -> float:
+    """t(rows) / t(1) for one forward pass over `rows` new tokens (a batched step's rows, all sequences together):
+    the verification curve up to MAX_K + 1 rows, then the wide measurements (`WIDE_ROWS`), linear in between
+    and extended linearly past the last."""
+    record = calibration(model)
+    points = list(enumerate(record["verification_costs"], start=1))
+    points += [(n, c) for n, c in zip(record["wide_rows"], record["wide_costs"], strict=True) if n > len(points)]
+    for (n0, c0), (n1, c1) in zip(points, points[1:], strict=False):
+        if rows <= n1:
+            return c0 + (c1 - c0) * (rows - n0) / (n1 - n0) if rows > n0 else c0
+    (n0, c0), (n1, c1) = points[-2], points[-1]
+    return c1 + (c1 - c0) * (rows - n1) / (n1 - n0)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from assistgen.cache import KVCache, feed_together
 from assistgen.config import ConfigError, GenerationConfig
-from assistgen.costs import verification_costs
+from assistgen.costs import rows_cost
 from assistgen.drafters import Draft, Drafter, NoDrafter, attempts
 from assistgen.gain import batch_lookahead
 from assistgen.models import Model
@@ -160,16 +160,6 @@ def share_rows(decoding: list[Sequence], other_rows: int) -> None:
     for s, r in zip(decoding, rates, strict=True):
         if r is not None:
             s.verified = next(it)
-
-
-def rows_cost(target: Model, rows: int) -> float:
-    """t(rows) / t(1) for one forward pass of the target: its measured curve, extended linearly past its end."""
-    v = verification_costs(target)
-    if rows <= len(v):
-        return v[rows - 1]
-    half = len(v) // 2
-    slope = (v[-1] - v[half - 1]) / (len(v) - half)
-    return v[-1] + slope * (rows - len(v))
 
 
 def row_share(target: Model, rows: int, total_rows: int) -> float:

@@ -31,27 +31,31 @@ def clock(device: torch.device | str | None = None) -> float:
 
 
 @torch.inference_mode()
-def step_times(model, max_k: int = MAX_K, context: int = 128, repeats: int = 3) -> list[float]:
-    """Seconds of one forward over n = 1..max_k+1 new tokens after `context` tokens (best of `repeats`)."""
+def step_times(model, max_k: int = MAX_K, context: int = 128, repeats: int = 3,
+               rows: list[int] | None = None) -> list[float]:
+    """Seconds of one forward over n new tokens after `context` tokens, for n = 1..max_k+1 (or each n in `rows`):
+    the best of `repeats`, taken round-robin over the n (a burst of noise then spoils one run of each n, not
+    every run of one n)."""
     from assistgen.cache import KVCache
 
+    rows = list(rows) if rows is not None else list(range(1, max_k + 2))
     device = model_device(model)
     vocab = min(model.vocab_size, len(model.tokenizer))
-    limit = model.context_length or context + max_k + 1
-    context = max(1, min(context, limit - max_k - 2))
-    ids = torch.randint(3, vocab, (context + max_k + 1,), generator=torch.Generator().manual_seed(0)).tolist()
+    limit = model.context_length or context + max(rows) + 1
+    context = max(1, min(context, limit - max(rows) - 1))
+    ids = torch.randint(3, vocab, (context + max(rows),), generator=torch.Generator().manual_seed(0)).tolist()
     cache = KVCache(model.hf)
     cache.feed(ids[:context])
-    times = []
-    for k in range(max_k + 1):
-        best = float("inf")
-        for _ in range(repeats + 1):  # the first run warms up
+    best = [float("inf")] * len(rows)
+    for round_ in range(repeats + 1):  # the first round warms up
+        for i, n in enumerate(rows):
             start = clock(device)
-            cache.feed(ids[context : context + k + 1], logits_to_keep=k + 1)
-            best = min(best, clock(device) - start)
+            cache.feed(ids[context : context + n], logits_to_keep=n)
+            elapsed = clock(device) - start
             cache.crop(context)
-        times.append(best)
-    return times
+            if round_:
+                best[i] = min(best[i], elapsed)
+    return best
 
 
 def machine(device: torch.device | str | None = None) -> list[str]:
