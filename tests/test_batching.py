@@ -66,7 +66,7 @@ def test_quantized_rows_are_bitwise_the_same_alone_or_in_a_batch(scheme, one_thr
         assert torch.equal(a, t)
 
 
-def run_batch(model, prompts, drafter, schedule, config, max_batch=8, prefill_chunk=None) -> tuple[list, int]:
+def run_batch(model, prompts, drafter, schedule, config, max_batch=8, prefill_budget=None) -> tuple[list, int]:
     """Every prompt through `step` with at most `max_batch` at once (the rest join as others finish); returns each
     one's tokens and the largest batch stepped."""
     waiting = list(enumerate(prompts))
@@ -76,7 +76,7 @@ def run_batch(model, prompts, drafter, schedule, config, max_batch=8, prefill_ch
             i, p = waiting.pop(0)
             running.append((i, begin(model, p, drafter(), schedule, config), []))
         largest = max(largest, len(running))
-        for (_, _, tokens), chunk in zip(running, step([s for _, s, _ in running], prefill_chunk), strict=True):
+        for (_, _, tokens), chunk in zip(running, step([s for _, s, _ in running], prefill_budget), strict=True):
             if chunk is not None:
                 tokens.extend(chunk.tokens)
         for i, s, tokens in running:
@@ -98,7 +98,7 @@ def test_greedy_in_a_batch_equals_alone(arch, one_thread):
     plain = [[t for c in stream(model, p, NoDrafter(), Adaptive(), config) for t in c.tokens] for p in prompts]
     assert alone == plain
     batched, largest = run_batch(model, prompts, PromptLookupDrafter, Adaptive(), config, max_batch=4,
-                                 prefill_chunk=5)
+                                 prefill_budget=5)
     assert largest == 4
     assert batched == alone
     drafted = begin(model, prompts[0], PromptLookupDrafter(), Constant(3), config)
@@ -147,7 +147,7 @@ def test_batch_lookahead_drafts_only_where_the_step_gains():
 def test_engine_joins_cancels_and_refuses_past_its_queue(one_thread):
     model = tiny_llama()
     engine = BatchEngine(model, PromptLookupDrafter, Adaptive(), EngineSettings(max_batch=2, max_queue=2,
-                                                                                prefill_chunk=4))
+                                                                                prefill_budget=4))
     config = GenerationConfig(max_new_tokens=30, eos_token_ids=())
     requests = [engine.submit(encode(t), config) for t in TEXTS[:2]]
     with pytest.raises(QueueFull, match="max_queue"):
@@ -178,3 +178,18 @@ def test_rows_cost_follows_the_measured_curve_past_one_sequence(one_thread):
     assert min(record["wide_costs"][-2:]) <= between <= max(record["wide_costs"][-2:])
     slope = (record["wide_costs"][-1] - record["wide_costs"][-2]) / (WIDE_ROWS[-1] - WIDE_ROWS[-2])
     assert rows_cost(model, 2 * WIDE_ROWS[-1]) == pytest.approx(record["wide_costs"][-1] + slope * WIDE_ROWS[-1])
+
+
+def test_prefill_budget_is_shared_earliest_first(one_thread):
+    from assistgen.engine import prefill_plan
+
+    model = tiny_llama()
+    config = GenerationConfig(max_new_tokens=4, eos_token_ids=())
+    seqs = [begin(model, encode(t), NoDrafter(), Adaptive(), config) for t in ("abcdef", "ghijklmnop", "qrs")]
+    plan = prefill_plan(seqs, 8)
+    assert [len(plan.get(id(s), [])) for s in seqs] == [5, 3, 0]  # a sequence's cache stops one token short
+    assert sum(map(len, prefill_plan(seqs, None).values())) == 5 + 9 + 2
+    chunks = step(seqs, 8)
+    assert chunks == [None, None, None] and [len(s.cache) for s in seqs] == [5, 3, 0]
+    chunks = step(seqs, 8)  # the first decodes, the second finishes its prompt, the third starts
+    assert chunks[0] is not None and chunks[1:] == [None, None] and [len(s.cache) for s in seqs][1:] == [9, 2]

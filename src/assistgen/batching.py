@@ -40,10 +40,10 @@ class QueueFull(RuntimeError):
 class EngineSettings:
     max_batch: int = 8  # requests stepped together
     max_queue: int = 64  # requests waiting to join; one more is refused with QueueFull
-    prefill_chunk: int = 256  # prompt tokens a joining request feeds per step, so running streams keep flowing
+    prefill_budget: int = 256  # prompt tokens fed per step over all joining requests, so running streams keep flowing
 
     def __post_init__(self):
-        for name in ("max_batch", "max_queue", "prefill_chunk"):
+        for name in ("max_batch", "max_queue", "prefill_budget"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -182,7 +182,7 @@ class BatchEngine:
                 continue
             self.largest_batch = max(self.largest_batch, len(active))
             try:
-                chunks = step([s for _, s in active], self.settings.prefill_chunk)
+                chunks = step([s for _, s in active], self.settings.prefill_budget)
             except Exception as e:  # noqa: BLE001 - a failed step ends its requests, not the engine
                 for request, _ in active:
                     request.error = f"{type(e).__name__}: {e}"

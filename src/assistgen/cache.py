@@ -40,6 +40,15 @@ class KVCache:
         """
         return feed_together([(self, ids, logits_to_keep)])[0]
 
+    def fork(self) -> KVCache:
+        """An independent copy: the same positions, its own buffers."""
+        other = KVCache(self.model)
+        other.kv.keys = [None if t is None else t.clone() for t in self.kv.keys]
+        other.kv.values = [None if t is None else t.clone() for t in self.kv.values]
+        other.kv.length = self.kv.length
+        other.tokens = list(self.tokens)
+        return other
+
     def crop(self, length: int) -> None:
         """Keep only the first `length` cached positions."""
         if not 0 <= length <= len(self.tokens):

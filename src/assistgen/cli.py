@@ -80,8 +80,8 @@ def add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--max-batch", type=int, help="requests generated together")
     p.add_argument("--max-queue", type=int, help="requests waiting to join; more are answered 429")
-    p.add_argument("--prefill-chunk", type=int,
-                   help="prompt tokens a joining request feeds per step, beside the running streams' rows")
+    p.add_argument("--prefill-budget", type=int,
+                   help="prompt tokens fed per step over all joining requests, beside the running streams' rows")
     add_quantize(p)
     add_placement(p)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from assistgen.cache import KVCache, feed_together
 from assistgen.config import ConfigError, GenerationConfig
-from assistgen.costs import rows_cost
+from assistgen.costs import PassCosts, pass_costs
 from assistgen.drafters import Draft, Drafter, NoDrafter, attempts
 from assistgen.gain import batch_lookahead
 from assistgen.models import Model
@@ -99,39 +99,49 @@ def stream(
             yield chunk
 
 
-def step(sequences: list[Sequence], prefill_chunk: int | None = None) -> list[Chunk | None]:
-    """One target forward pass for every sequence (all of one target): prefill chunks of up to `prefill_chunk`
-    prompt tokens (None: the whole prompt) and verification of each decoding sequence's draft."""
-    target = sequences[0].target
+def step(sequences: list[Sequence], prefill_budget: int | None = None) -> list[Chunk | None]:
+    """One target forward pass for every sequence (all of one target): verification of each decoding sequence's
+    draft, and the next prompt tokens of the sequences still prefilling, at most `prefill_budget` of them in all
+    (None: every whole prompt), given to the earliest first, so that joining requests never stall the running
+    ones for more than a pass over that many rows. A prefilling sequence that gets none waits (its chunk None)."""
     device = sequences[0].cache.device
     decoding = [s for s in sequences if not s.prefilling]
-    prefill_rows = {id(s): prefill_ids(s, prefill_chunk) for s in sequences if s.prefilling}
+    prefill_rows = prefill_plan([s for s in sequences if s.prefilling], prefill_budget)
     for s in decoding:
         draft_for(s)
-    if len(sequences) > 1:
-        share_rows(decoding, sum(len(r) for r in prefill_rows.values()))
-    feeds = [(s.cache, prefill_rows[id(s)], 1) if s.prefilling else
-             (s.cache, [s.ids[-1]] + s.draft.tokens[: s.verified], s.verified + 1) for s in sequences]
+    costs = pass_costs(sequences[0].target) if len(sequences) > 1 else None  # read once per step
+    if costs is not None:
+        share_rows(decoding, sum(len(r) for r in prefill_rows.values()), costs)
+    fed = decoding + [s for s in sequences if prefill_rows.get(id(s))]
+    feeds = [(s.cache, [s.ids[-1]] + s.draft.tokens[: s.verified], s.verified + 1) for s in decoding]
+    feeds += [(s.cache, prefill_rows[id(s)], 1) for s in fed[len(decoding):]]
     t = clock(device)
     logits = feed_together(feeds)  # per sequence [keep, vocab]
     elapsed = clock(device) - t
-    total_rows = sum(len(ids) for _, ids, _ in feeds)
-    chunks: list[Chunk | None] = []
-    for s, rows in zip(sequences, logits, strict=True):
-        if id(s) in prefill_rows:
+    chunks: dict[int, Chunk] = {}
+    for s, rows in zip(fed, logits, strict=True):
+        if id(s) in prefill_rows:  # (it may have just finished its prompt)
             s.stats.prefill_s += elapsed
             s.stats.target_forward_passes += 1
-            chunks.append(None)
         else:
-            share = elapsed if len(sequences) == 1 else elapsed * row_share(target, s.verified + 1, total_rows)
-            chunks.append(accept(s, rows, share))
-    return chunks
+            share = elapsed if len(fed) == 1 else elapsed * batch_share(s, len(fed), feeds, costs)
+            chunks[id(s)] = accept(s, rows, share)
+    return [chunks.get(id(s)) for s in sequences]
 
 
-def prefill_ids(s: Sequence, chunk: int | None) -> list[int]:
-    """The next prompt tokens to feed: the cache always ends one short of the sequence."""
-    start, end = len(s.cache), len(s.ids) - 1
-    return s.ids[start : end if chunk is None else min(end, start + chunk)]
+def prefill_plan(prefilling: list[Sequence], budget: int | None) -> dict[int, list[int]]:
+    """{id(sequence): the prompt tokens it feeds this step}, earliest first, `budget` tokens in all (None: no limit).
+    The cache always ends one short of the sequence."""
+    plan = {}
+    for s in prefilling:
+        start, end = len(s.cache), len(s.ids) - 1
+        take = end - start if budget is None else min(end - start, budget)
+        if take <= 0:
+            break
+        plan[id(s)] = s.ids[start : start + take]
+        if budget is not None:
+            budget -= take
+    return plan
 
 
 def draft_for(s: Sequence) -> None:
@@ -143,29 +153,30 @@ def draft_for(s: Sequence) -> None:
     s.verified = max(0, min(s.run.trim(s.draft, s.part, room), room))
 
 
-def share_rows(decoding: list[Sequence], other_rows: int) -> None:
+def share_rows(decoding: list[Sequence], other_rows: int, costs: PassCosts) -> None:
     """Cut the sequences' verified drafts so that the whole step emits the most tokens per unit of time, given the
-    target's cost for the step's total rows (`other_rows`: prefill rows already in it). A schedule without
-    acceptance estimates (a fixed rule) keeps its length."""
+    target's measured cost of a batched pass (`costs.PassCosts.batch`; `other_rows`: prefill rows already in it).
+    A schedule without acceptance estimates (a fixed rule) keeps its length."""
     if not any(s.verified for s in decoding):
         return
-    target = decoding[0].target
     rates = [s.run.rates(s.draft, s.part) if s.verified and hasattr(s.run, "rates") else None for s in decoding]
     limits = [s.verified for s in decoding]
-    fixed = [0 if r is not None else n for r, n in zip(rates, limits, strict=True)]
+    fixed = sum(0 if r is not None else n for r, n in zip(rates, limits, strict=True))
+    sequences, base = len(decoding) + (1 if other_rows else 0), len(decoding) + other_rows
     chosen = batch_lookahead([r for r in rates if r is not None],
                              [n for r, n in zip(rates, limits, strict=True) if r is not None],
-                             lambda rows: rows_cost(target, rows), other_rows + len(decoding) + sum(fixed))
+                             lambda rows: costs.batch(sequences, base, rows - base), base + fixed)
     it = iter(chosen)
     for s, r in zip(decoding, rates, strict=True):
         if r is not None:
             s.verified = next(it)
 
 
-def row_share(target: Model, rows: int, total_rows: int) -> float:
-    """The share of a batched step's time that a sequence's `rows` would have cost alone (for its schedule,
-    which learns the time of a plain step from its steps)."""
-    return min(1.0, rows_cost(target, rows) / rows_cost(target, total_rows))
+def batch_share(s: Sequence, sequences: int, feeds: list, costs: PassCosts) -> float:
+    """The share of a batched step's time that the sequence's rows would have cost alone (for its schedule, which
+    learns the time of a plain step from its steps)."""
+    rows = sum(len(ids) for _, ids, _ in feeds)
+    return min(1.0, costs.rows(s.verified + 1) / costs.batch(sequences, rows))
 
 
 def accept(s: Sequence, logits, verify_s: float) -> Chunk:

@@ -69,21 +69,25 @@ def best_lookahead(rates: list[float], costs: list[float], c: float, k_max: int)
 def batch_lookahead(rates: list[list[float]], limits: list[int], cost, fixed_rows: int) -> list[int]:
     """Each sequence's k_i <= limits[i] maximising the step's tokens per unit of time, sum E_i(k_i) / cost(N), where
     N = fixed_rows (every other row of the step, each sequence's own last token included) + sum k_i, and
-    cost(n) = t(n) / t(1). Draft tokens are added one at a time where they add the most expected tokens (E_i's
-    increments shrink with k); the best point along that path wins, ties to fewer rows, so a step is never
-    planned slower per token than verifying no draft at all."""
-    k = [0] * len(rates)
+    cost(n) = t(n) / t(1). A sequence's j-th draft token adds E_i(j) - E_i(j-1) = prod_{l<j} rates_i[l] expected
+    tokens, which shrinks with j; taking draft tokens in order of what they add (ties: earlier sequences first),
+    the best prefix of that order wins (ties to fewer rows), so a step is never planned slower per token than
+    verifying no draft at all."""
+    adds = []  # (expected tokens it adds, sequence) for every draft token that could be verified
+    for i, (r, limit) in enumerate(zip(rates, limits, strict=True)):
+        chain = 1.0
+        for j in range(limit):
+            chain *= r[min(j, len(r) - 1)]
+            adds.append((chain, i))
+    order = sorted(range(len(adds)), key=lambda a: -adds[a][0])  # stable: a sequence's tokens stay in order
     tokens = float(len(rates))
-    rows = fixed_rows
-    best, best_rate = list(k), tokens / cost(rows)
-    while True:
-        open_ = [i for i in range(len(rates)) if k[i] < limits[i]]
-        if not open_:
-            return best
-        i = max(open_, key=lambda i: expected_tokens(rates[i], k[i] + 1) - expected_tokens(rates[i], k[i]))
-        tokens += expected_tokens(rates[i], k[i] + 1) - expected_tokens(rates[i], k[i])
-        k[i] += 1
-        rows += 1
-        rate = tokens / cost(rows)
+    best, best_rate = 0, tokens / cost(fixed_rows)
+    for n, a in enumerate(order, start=1):
+        tokens += adds[a][0]
+        rate = tokens / cost(fixed_rows + n)
         if rate > best_rate:
-            best, best_rate = list(k), rate
+            best, best_rate = n, rate
+    k = [0] * len(rates)
+    for a in order[:best]:
+        k[adds[a][1]] += 1
+    return k

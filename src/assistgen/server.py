@@ -535,7 +535,7 @@ def serve(args) -> int:
     drafters()  # bad drafter options fail here, before the server starts
     verification_costs(target)  # the cost curve the batch policy reads: measured (or read) before the first request
     schedule = as_schedule(args.schedule) if args.schedule is not None else default_schedule()
-    given = {n: getattr(args, n) for n in ("max_batch", "max_queue", "prefill_chunk") if getattr(args, n) is not None}
+    given = {n: getattr(args, n) for n in ("max_batch", "max_queue", "prefill_budget") if getattr(args, n) is not None}
     engine = BatchEngine(target, drafters, schedule, EngineSettings(**given))
     app = create_app(engine, ServerSettings(model_name=args.model, ngram_cache=args.ngram_cache), drafters)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
