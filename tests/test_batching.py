@@ -167,10 +167,11 @@ def test_engine_joins_cancels_and_refuses_past_its_queue(one_thread):
 
 
 def test_rows_cost_follows_the_measured_curve_past_one_sequence(one_thread):
-    from assistgen.costs import WIDE_ROWS, calibration, rows_cost
+    from assistgen.costs import WIDE_ROWS, calibration, pass_costs
 
     model = tiny_llama()
     record = calibration(model)
+    rows_cost = lambda m, n: pass_costs(m).rows(n)  # noqa: E731
     v = record["verification_costs"]
     assert [rows_cost(model, n) for n in range(1, len(v) + 1)] == v
     assert [rows_cost(model, n) for n in WIDE_ROWS] == pytest.approx(record["wide_costs"])

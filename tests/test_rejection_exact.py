@@ -20,6 +20,7 @@ from functools import cache
 
 import pytest
 import torch
+from broken_rules import broken_residual_from_p
 from conftest import char_tokenizer, tiny_llama
 from mixed_tokenizers import tiny_model
 from test_universal import small_tokenizer
@@ -198,15 +199,6 @@ def test_verify_speculative_without_draft_probabilities_is_exact(k):
     for propose in (fixed, unlikely):
         got, _ = step_distribution(propose, p_of, k, SYNTHETIC)
         assert_same_distribution(got, target_joint(k + 1, p_of))
-
-
-def broken_residual_from_p(p, q, draft, sampler):
-    """A classic bug: on rejection draw from p instead of norm(max(p - q, 0))."""
-    for i, x in enumerate(draft):
-        if sampler.uniform() < min(1.0, float(p[i, x]) / float(q[i, x])):
-            continue
-        return i, sampler.draw(p[i])
-    return len(draft), sampler.draw(p[len(draft)])
 
 
 def broken_first_row(p, q, draft, sampler):

@@ -15,6 +15,7 @@ import itertools
 
 import pytest
 import torch
+from broken_rules import broken_residual_from_p
 from conftest import char_tokenizer, tiny_llama
 from scipy.stats import chisquare
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -160,15 +161,6 @@ def test_direct_sampling_matches_too(models):
     assert pair_pvalue(counts, exact_distribution(target, temperature=1.0)) > 0.001
 
 
-def broken_resample_from_p(p, q, draft, sampler):
-    """A classic bug: on rejection draw from p instead of the residual norm(max(p - q, 0))."""
-    for i, x in enumerate(draft):
-        if sampler.uniform() < min(1.0, float(p[i, x]) / float(q[i, x])):
-            continue
-        return i, sampler.draw(p[i])
-    return len(draft), sampler.draw(p[len(draft)])
-
-
 def broken_accept_if_likely(p, q, draft, sampler):
     """Accept-if-likely: keep a draft token whenever p(x) >= q(x), never randomly."""
     for i, x in enumerate(draft):
@@ -185,7 +177,7 @@ def broken_later_positions(p, q, draft, sampler):
     return assistgen.sampling.verify_speculative(p, q, draft, sampler)
 
 
-@pytest.mark.parametrize("broken", [broken_resample_from_p, broken_accept_if_likely])
+@pytest.mark.parametrize("broken", [broken_residual_from_p, broken_accept_if_likely])
 def test_the_test_detects_a_broken_acceptance_rule(models, far_assistant, monkeypatch, broken):
     target, _ = models
     monkeypatch.setattr(assistgen.engine, "verify_speculative", broken)

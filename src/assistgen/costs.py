@@ -5,8 +5,8 @@ target forward pass over n new tokens after a short context (`timing.step_times`
 verifies k draft tokens feeds k+1 tokens, so it costs v[k] plain steps (v[0] = 1). It is measured on
 the model as it runs, after its transforms (`transforms.optimize` tunes the linear routes first), once
 per model, machine and software stack (a few seconds), together with t(n) / t(1) at a few wider row counts
-(`WIDE_ROWS`, for batched steps over many sequences: `rows_cost`) and what a further sequence and a further
-draft row cost in a pass over `BATCH` sequences (`batch_cost`), and cached as JSON under
+(`WIDE_ROWS`, for batched steps over many sequences: `PassCosts.rows`) and what a further sequence and a further
+draft row cost in a pass over `BATCH` sequences (`PassCosts.batch`), and cached as JSON under
 `$ASSISTGEN_CACHE/costs/`, keyed by a fingerprint (model, quantization, library versions, CPU,
 threads, the applied routes and attention, the KV layout), so a change of any of them measures again;
 `refresh=True` or deleting the file re-measures. Models built in memory (no `cache_key`) are measured
@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from assistgen.gain import MAX_K
-from assistgen.timing import clock, measurement_key, measurement_path, step_times
+from assistgen.timing import best_of_rounds, clock, measurement_key, measurement_path, step_times
 
 if TYPE_CHECKING:
     from assistgen.models import Model
 
-WIDE_ROWS = (24, 32, 64, 128)  # row counts past MAX_K + 1 measured for batched steps (`rows_cost`)
-BATCH = 8  # sequences in the batched passes measured for `batch_cost`
+WIDE_ROWS = (24, 32, 64, 128)  # row counts past MAX_K + 1 measured for batched steps (`PassCosts.rows`)
+BATCH = 8  # sequences in the batched passes measured for `PassCosts.batch`
 
 
 def _set_up(model: Model) -> tuple[str, ...]:
@@ -106,18 +106,17 @@ def batch_step_times(model: Model, context: int = 128, repeats: int = 3) -> tupl
     caches = [first] + [first.fork() for _ in range(BATCH - 1)]
     shapes = ([(first, ids[context:], BATCH)], [(c, ids[context:context + 1], 1) for c in caches],
               [(c, ids[context:context + 2], 2) for c in caches])
-    best = [float("inf")] * len(shapes)
-    device = first.device
-    for round_ in range(repeats + 1):  # the first round warms up
-        for i, feeds in enumerate(shapes):
-            start = clock(device)
-            feed_together(feeds)
-            elapsed = clock(device) - start
-            for cache, _, _ in feeds:
-                cache.crop(context)
-            if round_:
-                best[i] = min(best[i], elapsed)
-    return best[0], best[1], best[2]
+
+    def run(feeds) -> float:
+        start = clock(first.device)
+        feed_together(feeds)
+        elapsed = clock(first.device) - start
+        for cache, _, _ in feeds:
+            cache.crop(context)
+        return elapsed
+
+    one, apart, two = best_of_rounds([lambda f=f: run(f) for f in shapes], repeats)
+    return one, apart, two
 
 
 @dataclass(frozen=True)
@@ -159,7 +158,3 @@ def pass_costs(model: Model) -> PassCosts:
         record["pass_costs"] = PassCosts.of(record)
     return record["pass_costs"]
 
-
-def rows_cost(model: Model, rows: int) -> float:
-    """t(rows) / t(1) for one forward pass over `rows` new tokens of one sequence (`PassCosts.rows`)."""
-    return pass_costs(model).rows(rows)

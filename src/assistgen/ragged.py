@@ -106,9 +106,6 @@ class Plan:
                                    for s in self.segments]
         return key, value
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0  # positions are always given explicitly
-
 
 @torch.inference_mode()
 def forward(model: torch.nn.Module, feeds: list[Feed]) -> list[torch.Tensor]:

@@ -526,14 +526,12 @@ def serve(args) -> int:
     from assistgen.api import as_schedule, default_schedule, make_drafter
     from assistgen.batching import EngineSettings
     from assistgen.cli import placement
-    from assistgen.costs import verification_costs
     from assistgen.models import load_model
 
     target = load_model(args.model, quantize=args.quantize, **placement(args))
     assistant = load_model(args.assistant, quantize=args.quantize, **placement(args)) if args.assistant else None
     drafters = partial(make_drafter, target, assistant, args.lookup, args.early_exit or False)
     drafters()  # bad drafter options fail here, before the server starts
-    verification_costs(target)  # the cost curve the batch policy reads: measured (or read) before the first request
     schedule = as_schedule(args.schedule) if args.schedule is not None else default_schedule()
     given = {n: getattr(args, n) for n in ("max_batch", "max_queue", "prefill_budget") if getattr(args, n) is not None}
     engine = BatchEngine(target, drafters, schedule, EngineSettings(**given))

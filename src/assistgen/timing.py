@@ -46,13 +46,24 @@ def step_times(model, max_k: int = MAX_K, context: int = 128, repeats: int = 3,
     ids = torch.randint(3, vocab, (context + max(rows),), generator=torch.Generator().manual_seed(0)).tolist()
     cache = KVCache(model.hf)
     cache.feed(ids[:context])
-    best = [float("inf")] * len(rows)
-    for round_ in range(repeats + 1):  # the first round warms up
-        for i, n in enumerate(rows):
-            start = clock(device)
-            cache.feed(ids[context : context + n], logits_to_keep=n)
-            elapsed = clock(device) - start
-            cache.crop(context)
+
+    def run(n: int) -> float:
+        start = clock(device)
+        cache.feed(ids[context : context + n], logits_to_keep=n)
+        elapsed = clock(device) - start
+        cache.crop(context)
+        return elapsed
+
+    return best_of_rounds([lambda n=n: run(n) for n in rows], repeats)
+
+
+def best_of_rounds(runs: list, repeats: int) -> list[float]:
+    """Each timed run's best of `repeats` rounds, taken round-robin over the runs (a burst of noise then spoils one
+    round of each, not every round of one), after a warm-up round. runs: callables returning seconds."""
+    best = [float("inf")] * len(runs)
+    for round_ in range(repeats + 1):
+        for i, run in enumerate(runs):
+            elapsed = run()
             if round_:
                 best[i] = min(best[i], elapsed)
     return best
