@@ -8,7 +8,7 @@ import pytest
 from conftest import tiny_llama
 
 from assistgen.bench.dataset import DatasetError, Prompt, read_prompts, select
-from assistgen.bench.report import aggregate, oracle_bound, theoretical_speedup
+from assistgen.bench.report import aggregate, ceilings, oracle_bound, theoretical_speedup
 from assistgen.bench.runner import Runner, parse_method, run_bench
 from assistgen.cli import main
 
@@ -92,6 +92,24 @@ def test_theoretical_speedup_uses_the_measured_cost_curve():
     assert row["theoretical_speedup"] == pytest.approx(theoretical_speedup(0.6, 2, row["draft_cost"], curve))
     free = next(r for r in aggregate([record]) if r["category"] == "copy")  # no curve: verification free
     assert free["theoretical_speedup"] == pytest.approx(theoretical_speedup(0.6, 2, 0.02 / 20 / 0.05))
+
+
+def test_ceilings_take_the_best_lookahead_on_the_curve():
+    curve = [1.0, 1.3, 1.6, 1.8, 3.1]  # the int4 1.5B's shape: a 5-row step costs much more
+    a = 0.77
+    by_k = [(sum(a**i for i in range(k + 1)), curve[k]) for k in range(5)]
+    best_free = max(e / v for e, v in by_k)  # k = 3 here: 2.82 / 1.8
+    assert best_free == pytest.approx(by_k[3][0] / 1.8)
+    best_paid = max(e / (k * 0.39 + v) for k, (e, v) in enumerate(by_k))
+    assert ceilings(a, 0.39, curve) == pytest.approx((best_paid, best_free))
+    assert ceilings(0.05, 0.3, curve) == (1.0, 1.0)  # nothing pays: plain decoding, k = 0
+    assert ceilings(1.0, 0.0, curve)[1] == pytest.approx(4 / 1.8)  # perfect free drafts: the oracle bound
+    record = {"question_id": "q", "category": "code", "method": "assistant", "temperature": 0.0, "tokens": [1] * 30,
+              "new_tokens": 30, "seconds": 1.0, "prefill_s": 0.1, "target_forward_passes": 11, "steps": 10,
+              "drafted": 20, "accepted": 12, "draft_s": 0.02, "verify_s": 0.5}
+    row = next(r for r in aggregate([record], curve) if r["category"] == "code")
+    assert (row["ceiling"], row["free_ceiling"]) == pytest.approx(ceilings(0.6, row["draft_cost"], curve))
+    assert "ceiling" not in next(r for r in aggregate([record]) if r["category"] == "code")  # no curve, no ceiling
 
 
 def test_method_parsing():

@@ -7,7 +7,10 @@ the expected gain of `gain.py`, E(k) / (k*c + v[k]), for the measured acceptance
 every position), the mean lookahead k and the draft cost c per drafted token in plain steps, with
 v the measured cost curve passed to `aggregate`; without one, verification is taken as free,
 v[k] = 1 (Leviathan et al. 2023's (1 - a^(k+1)) / ((1 - a)(k*c + 1)), an upper bound on a CPU).
-Efficiency = measured / theoretical. The decode-phase speed-up leaves
+Efficiency = measured / theoretical. Given the curve, two ceilings per drafting method: the best
+speed-up any lookahead k could reach at its measured acceptance and draft cost, max_k E(k) / (k*c +
+v[k]) (`ceiling`), and the same with drafts for free, c = 0 (`free_ceiling`): what no policy, and no
+cheaper drafter of the same acceptance, can pass on this target. The decode-phase speed-up leaves
 out the prefill (the same forward pass over the prompt for every assistgen method), which
 neither the theory nor the oracle bound (k+1)t(1)/t(k+1) models; the copy category's share of
 the bound is given both ways.
@@ -18,7 +21,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from assistgen.gain import expected_tokens, step_cost
+from assistgen.gain import MAX_K, best_lookahead, expected_tokens, step_cost
 
 OVERALL = "overall"
 
@@ -43,6 +46,12 @@ def oracle_bound(k: int, cost_curve: list[float]) -> float:
     """Best speed-up when every draft is right: (k+1) t(1) / t(k+1); cost_curve[i] = t(i+1)/t(1)."""
     k = max(1, min(k, len(cost_curve) - 1))
     return (k + 1) / cost_curve[k]
+
+
+def ceilings(alpha: float, c: float, cost_curve: list[float]) -> tuple[float, float]:
+    """(best speed-up over every lookahead k at acceptance alpha and draft cost c, the same with c = 0), both
+    at least 1 (k = 0 is plain decoding); cost_curve[k] = v[k]."""
+    return (best_lookahead([alpha], cost_curve, c, MAX_K)[1], best_lookahead([alpha], cost_curve, 0.0, MAX_K)[1])
 
 
 def aggregate(records: list[dict], cost_curve: list[float] | None = None) -> list[dict]:
@@ -75,6 +84,8 @@ def aggregate(records: list[dict], cost_curve: list[float] | None = None) -> lis
             theory = theoretical_speedup(row["acceptance_rate"], row["lookahead"], row["draft_cost"], cost_curve)
             if theory is not None:
                 row["theoretical_speedup"] = theory
+            if cost_curve and drafted:
+                row["ceiling"], row["free_ceiling"] = ceilings(row["acceptance_rate"], row["draft_cost"], cost_curve)
         if temperature == 0.0:
             compared = [(r["tokens"], plain_tokens.get((0.0, r["question_id"]))) for r in rs]
             compared = [(t, p) for t, p in compared if p is not None]
@@ -114,7 +125,7 @@ def _fmt(value, pattern: str) -> str:
 def format_table(rows: list[dict]) -> str:
     head = (f"{'temp':>5} {'category':<14}{'method':<22}{'tok/s':>7}{'vs plain':>9}{'decode':>7}{'vs hf':>7}"
             f"{'accept':>8}"
-            f"{'mean len':>9}{'fwd/tok':>8}{'exact':>7}{'theory':>8}{'eff':>6}")
+            f"{'mean len':>9}{'fwd/tok':>8}{'exact':>7}{'theory':>8}{'eff':>6}{'ceil':>7}{'free':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
@@ -124,6 +135,7 @@ def format_table(rows: list[dict]) -> str:
             f"{_fmt(r.get('acceptance_rate'), '{:.0%}'):>8}{_fmt(r.get('mean_accepted_length'), '{:.2f}'):>9}"
             f"{r['target_fwd_per_token']:>8.2f}{_fmt(r.get('identical_share'), '{:.0%}'):>7}"
             f"{_fmt(r.get('theoretical_speedup'), '{:.2f}x'):>8}{_fmt(r.get('efficiency'), '{:.0%}'):>6}"
+            f"{_fmt(r.get('ceiling'), '{:.2f}x'):>7}{_fmt(r.get('free_ceiling'), '{:.2f}x'):>7}"
         )
     bounds = [r for r in rows if "oracle_bound" in r]
     for r in bounds:
