@@ -89,6 +89,7 @@ def main() -> None:
         generate(target, warm, max_new_tokens=4, **method_kwargs(method))
     bench = llama_bench(bins, gguf, args.threads, args.max_new_tokens)
     totals: dict[str, list[float]] = {}  # method -> [tokens, decode seconds, whole seconds]
+    prefill = [0, 0.0]  # assistgen's prompt tokens and prefill seconds (the same forward for every method)
     device = model_device(target)
     accept = []
     for prompt in prompts:
@@ -107,6 +108,8 @@ def main() -> None:
             t[0] += len(out.token_ids)
             t[1] += out.stats.total_s - out.stats.prefill_s
             t[2] += whole
+            prefill[0] += len(ids)
+            prefill[1] += out.stats.prefill_s
         print(f"{prompt.question_id}: done", flush=True)
 
     rows = {"llama.cpp plain (llama-bench)": bench["decode"]}
@@ -120,13 +123,16 @@ def main() -> None:
     whole = {name: t[0] / t[2] for name, t in totals.items() if t[2]}
     print("assistgen whole requests (prefill included): "
           + ", ".join(f"{name.removeprefix('assistgen ')} {speed:.1f} tok/s" for name, speed in whole.items()))
-    print(f"llama.cpp prefill {bench['prefill']:.0f} tok/s; speculative acceptance {sum(accept) / len(accept):.0%}; "
+    print(f"llama.cpp prefill {bench['prefill']:.0f} tok/s (llama-bench -p 512), assistgen prefill "
+          f"{prefill[0] / prefill[1]:.0f} tok/s (these prompts); "
+          f"speculative acceptance {sum(accept) / len(accept):.0%}; "
           f"assistgen peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB")
     print(json.dumps({"benchmark": "llama-cpp-comparison", "model": args.model, "draft": args.draft,
                       "quantize": quantize, "prompts": len(prompts), "categories": args.categories,
                       "max_new_tokens": args.max_new_tokens, "threads": args.threads,
                       "decode_tok_s": rows, "assistgen_whole_tok_s": whole,
                       "llama_cpp_prefill_tok_s": bench["prefill"],
+                      "assistgen_prefill_tok_s": prefill[0] / prefill[1],
                       "assistgen_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                       "llama_cpp_accept": sum(accept) / len(accept)}))
 

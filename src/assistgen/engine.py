@@ -159,7 +159,7 @@ def share_rows(decoding: list[Sequence], other_rows: int, costs: PassCosts) -> N
     A schedule without acceptance estimates (a fixed rule) keeps its length."""
     if not any(s.verified for s in decoding):
         return
-    rates = [s.run.rates(s.draft, s.part) if s.verified and hasattr(s.run, "rates") else None for s in decoding]
+    rates = [s.run.rates(s.draft, s.part) if s.verified else None for s in decoding]
     limits = [s.verified for s in decoding]
     fixed = sum(0 if r is not None else n for r, n in zip(rates, limits, strict=True))
     sequences, base = len(decoding) + (1 if other_rows else 0), len(decoding) + other_rows
