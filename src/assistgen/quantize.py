@@ -117,7 +117,7 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("bias", torch.empty(out_features, device=device) if bias else None)
 
     def dequantized(self) -> torch.Tensor:  # [out, in] bf16
-        return self.weight.to(COMPUTE).mul_(self.scales[:, None])  # in place: one fresh [out, in] buffer, not two
+        return self.weight.to(COMPUTE, copy=True).mul_(self.scales[:, None])  # in place: one fresh buffer
 
     def matmul(self, flat: torch.Tensor) -> torch.Tensor:  # [rows, in] bf16 -> [rows, out] bf16
         return torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales)
@@ -203,7 +203,7 @@ class Int4Linear(QuantizedLinear):
         """(q - 8) * scale + zero, computed in place on one bf16 buffer: every prefill above
         KERNEL_ROWS pays this for every layer, and fresh [out, in] buffers per operation cost about as much as
         the arithmetic (a 145-token prefill of the int4 1.5B: 1.7 s of dequantizing out of place, 0.9 s in place)."""
-        q = unpack_int4(self.weight, self.padded_out, self.in_features)[: self.out_features].to(COMPUTE)
+        q = unpack_int4(self.weight, self.padded_out, self.in_features)[: self.out_features].to(COMPUTE, copy=True)
         q = q.view(self.out_features, -1, self.group)  # [out, groups, group]
         sz = self.scale_zero[:, : self.out_features]  # [groups, out, 2]
         scale, zero = (sz[..., i].T[..., None] for i in (0, 1))  # [out, groups, 1] each
