@@ -18,6 +18,7 @@ run; only the target and its weights are shared. Greedy output of a request is t
 
 from __future__ import annotations
 
+import functools
 import itertools
 import queue
 import threading
@@ -26,6 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from assistgen.config import ConfigError, GenerationConfig
+from assistgen.costs import PassCosts, pass_costs
 from assistgen.drafters import Drafter
 from assistgen.engine import Chunk, Sequence, begin, step
 from assistgen.models import Model
@@ -148,6 +150,11 @@ class BatchEngine:
         if self.thread is not None and self.thread is not threading.current_thread():
             self.finished.wait(timeout)
 
+    @functools.cached_property
+    def costs(self) -> PassCosts:
+        """The target's measured cost of a batched pass, read once (the batch policy reads it every step)."""
+        return pass_costs(self.target)
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -182,7 +189,8 @@ class BatchEngine:
                 continue
             self.largest_batch = max(self.largest_batch, len(active))
             try:
-                chunks = step([s for _, s in active], self.settings.prefill_budget)
+                chunks = step([s for _, s in active], self.settings.prefill_budget,
+                              self.costs if len(active) > 1 else None)
             except Exception as e:  # noqa: BLE001 - a failed step ends its requests, not the engine
                 for request, _ in active:
                     request.error = f"{type(e).__name__}: {e}"

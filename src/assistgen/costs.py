@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from assistgen.gain import MAX_K
-from assistgen.timing import best_of_rounds, clock, measurement_key, measurement_path, step_times
+from assistgen.timing import best_of_rounds, clock, measurement_key, measurement_path, random_context, step_times
 
 if TYPE_CHECKING:
     from assistgen.models import Model
@@ -97,10 +97,7 @@ def batch_step_times(model: Model, context: int = 128, repeats: int = 3) -> tupl
     over two rows of each (best of `repeats`, round-robin), after `context` tokens each."""
     from assistgen.cache import KVCache, feed_together
 
-    vocab = min(model.vocab_size, len(model.tokenizer))
-    limit = model.context_length or context + 2 * BATCH + 1
-    context = max(1, min(context, limit - 2 * BATCH - 1))
-    ids = torch.randint(3, vocab, (context + BATCH,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids, context = random_context(model, context, BATCH, seed=1)
     first = KVCache(model.hf)
     first.feed(ids[:context])
     caches = [first] + [first.fork() for _ in range(BATCH - 1)]

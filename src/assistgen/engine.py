@@ -99,18 +99,21 @@ def stream(
             yield chunk
 
 
-def step(sequences: list[Sequence], prefill_budget: int | None = None) -> list[Chunk | None]:
+def step(sequences: list[Sequence], prefill_budget: int | None = None,
+         costs: PassCosts | None = None) -> list[Chunk | None]:
     """One target forward pass for every sequence (all of one target): verification of each decoding sequence's
     draft, and the next prompt tokens of the sequences still prefilling, at most `prefill_budget` of them in all
     (None: every whole prompt), given to the earliest first, so that joining requests never stall the running
-    ones for more than a pass over that many rows. A prefilling sequence that gets none waits (its chunk None)."""
+    ones for more than a pass over that many rows. A prefilling sequence that gets none waits (its chunk None).
+    `costs`: the target's `PassCosts` for a batch, read once by a caller that steps many times (reading them
+    re-derives the model's fingerprint, about 1.5 ms); None reads them here when there is more than one sequence."""
     device = sequences[0].cache.device
     decoding = [s for s in sequences if not s.prefilling]
     prefill_rows = prefill_plan([s for s in sequences if s.prefilling], prefill_budget)
     for s in decoding:
         draft_for(s)
-    costs = pass_costs(sequences[0].target) if len(sequences) > 1 else None  # read once per step
-    if costs is not None:
+    if len(sequences) > 1:
+        costs = costs or pass_costs(sequences[0].target)
         share_rows(decoding, sum(len(r) for r in prefill_rows.values()), costs)
     fed = decoding + [s for s in sequences if prefill_rows.get(id(s))]
     feeds = [(s.cache, [s.ids[-1]] + s.draft.tokens[: s.verified], s.verified + 1) for s in decoding]
@@ -118,13 +121,14 @@ def step(sequences: list[Sequence], prefill_budget: int | None = None) -> list[C
     t = clock(device)
     logits = feed_together(feeds)  # per sequence [keep, vocab]
     elapsed = clock(device) - t
+    rows_in_all = sum(len(ids) for _, ids, _ in feeds)
     chunks: dict[int, Chunk] = {}
     for s, rows in zip(fed, logits, strict=True):
         if id(s) in prefill_rows:  # (it may have just finished its prompt)
             s.stats.prefill_s += elapsed
             s.stats.target_forward_passes += 1
         else:
-            share = elapsed if len(fed) == 1 else elapsed * batch_share(s, len(fed), feeds, costs)
+            share = elapsed if len(fed) == 1 else elapsed * batch_share(s, len(fed), rows_in_all, costs)
             chunks[id(s)] = accept(s, rows, share)
     return [chunks.get(id(s)) for s in sequences]
 
@@ -172,10 +176,9 @@ def share_rows(decoding: list[Sequence], other_rows: int, costs: PassCosts) -> N
             s.verified = next(it)
 
 
-def batch_share(s: Sequence, sequences: int, feeds: list, costs: PassCosts) -> float:
-    """The share of a batched step's time that the sequence's rows would have cost alone (for its schedule, which
-    learns the time of a plain step from its steps)."""
-    rows = sum(len(ids) for _, ids, _ in feeds)
+def batch_share(s: Sequence, sequences: int, rows: int, costs: PassCosts) -> float:
+    """The share of a batched step's time (`sequences` sequences, `rows` rows in all) that the sequence's rows would
+    have cost alone (for its schedule, which learns the time of a plain step from its steps)."""
     return min(1.0, costs.rows(s.verified + 1) / costs.batch(sequences, rows))
 
 

@@ -40,10 +40,7 @@ def step_times(model, max_k: int = MAX_K, context: int = 128, repeats: int = 3,
 
     rows = list(rows) if rows is not None else list(range(1, max_k + 2))
     device = model_device(model)
-    vocab = min(model.vocab_size, len(model.tokenizer))
-    limit = model.context_length or context + max(rows) + 1
-    context = max(1, min(context, limit - max(rows) - 1))
-    ids = torch.randint(3, vocab, (context + max(rows),), generator=torch.Generator().manual_seed(0)).tolist()
+    ids, context = random_context(model, context, max(rows), seed=0)
     cache = KVCache(model.hf)
     cache.feed(ids[:context])
 
@@ -55,6 +52,16 @@ def step_times(model, max_k: int = MAX_K, context: int = 128, repeats: int = 3,
         return elapsed
 
     return best_of_rounds([lambda n=n: run(n) for n in rows], repeats)
+
+
+def random_context(model, context: int, new: int, seed: int) -> tuple[list[int], int]:
+    """Random token ids for timing: `context` tokens (fewer where the model's context length needs it) followed by
+    `new` more; returns (ids, the context length used)."""
+    vocab = min(model.vocab_size, len(model.tokenizer))
+    limit = model.context_length or context + new + 1
+    context = max(1, min(context, limit - new - 1))
+    ids = torch.randint(3, vocab, (context + new,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return ids, context
 
 
 def best_of_rounds(runs: list, repeats: int) -> list[float]:
