@@ -102,6 +102,7 @@ def test_ceilings_take_the_best_lookahead_on_the_curve():
     assert best_free == pytest.approx(by_k[3][0] / 1.8)
     best_paid = max(e / (k * 0.39 + v) for k, (e, v) in enumerate(by_k))
     assert ceilings(a, 0.39, curve) == pytest.approx((best_paid, best_free))
+    assert ceilings(a, 0.05, curve)[0] == pytest.approx(by_k[3][0] / (3 * 0.05 + 1.8))  # cheap drafts: k = 3 again
     assert ceilings(0.05, 0.3, curve) == (1.0, 1.0)  # nothing pays: plain decoding, k = 0
     assert ceilings(1.0, 0.0, curve)[1] == pytest.approx(4 / 1.8)  # perfect free drafts: the oracle bound
     record = {"question_id": "q", "category": "code", "method": "assistant", "temperature": 0.0, "tokens": [1] * 30,
