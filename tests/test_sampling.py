@@ -207,3 +207,15 @@ def test_same_seed_same_output_and_temperature_zero_ignores_seed(models):
     others = {tuple(generate(target, PROMPT, max_new_tokens=12, temperature=1.0, seed=s, eos_token_ids=()).token_ids)
               for s in range(5)}
     assert len(others) > 1  # sampling does depend on the seed
+
+
+@pytest.mark.parametrize("temperature", [4.2499333555316727e-271, 1e-30, 1e-6])
+def test_a_tiny_temperature_gives_the_limit_distribution_not_nan(temperature):
+    """A temperature far below any logit gap (the server's fuzzer sent 4.2e-271) puts all mass on the argmax."""
+    from assistgen.config import GenerationConfig
+
+    logits = torch.tensor([[1.0, 30.0, -2.0, 29.5], [0.0, -1.0, 3.0, float("-inf")]])  # [2, vocab]
+    for top_k, top_p in ((0, 1.0), (2, 0.9)):
+        probs = assistgen.sampling.Sampler(GenerationConfig(temperature=temperature, top_k=top_k, top_p=top_p)).probs(
+            logits)
+        assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]]))

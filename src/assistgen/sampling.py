@@ -46,7 +46,12 @@ class Sampler:
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [n, vocab] -> processed probabilities [n, vocab] (float32)."""
-        logits = logits.float() / self.config.temperature
+        logits = logits.float()
+        # Shifted by the row's max first (softmax does not change), and the temperature kept a float32 number: a tiny
+        # one then gives 0 at the argmax and -inf elsewhere, the distribution's limit, instead of nan (inf - inf, or
+        # 0 / 0 for a temperature that is 0 in float32; the server's fuzzer sent 4.2e-271).
+        temperature = max(self.config.temperature, torch.finfo(torch.float32).tiny)
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
         if self.config.top_k > 0:
             k = min(self.config.top_k, logits.shape[-1])
             kth = torch.topk(logits, k, dim=-1).values[..., -1:]
