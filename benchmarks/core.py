@@ -15,30 +15,17 @@ import json
 import statistics
 import sys
 
-import torch
-
 from assistgen import generate, load_model
 from assistgen.api import encode_prompt
-from assistgen.demo import summary_prompt
-from assistgen.devices import model_device
-from assistgen.timing import clock
-from assistgen.transforms import untransformed
+from assistgen.backends.torch.devices import model_device
+from assistgen.backends.torch.reference import hf_generate
+from assistgen.backends.torch.timing import clock
+from assistgen.cli.demo import summary_prompt
 
 PROMPTS = {
     "summary": summary_prompt(),
     "open-ended": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 }
-
-
-def hf_generate(model, ids, n, **kwargs):
-    """transformers' generate() on the model without assistgen's transform; returns (tokens, seconds)."""
-    device = model_device(model)
-    inputs = torch.tensor([ids], device=device)  # [1, n]
-    with untransformed(model.hf):
-        t = clock(device)
-        out = model.hf.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n, do_sample=False,
-                                **kwargs)
-        return out[0, len(ids):].tolist(), clock(device) - t
 
 
 def ours(model, ids, n, **kwargs):
@@ -56,7 +43,7 @@ def bench(model_name: str, n: int, repeats: int) -> list[dict]:
         ids = encode_prompt(model, text, chat=chat)
         methods = {
             "hf plain": lambda ids=ids: hf_generate(model, ids, n),
-            "hf lookup(10)": lambda ids=ids: hf_generate(model, ids, n, prompt_lookup_num_tokens=10),
+            "hf lookup(10)": lambda ids=ids: hf_generate(model, ids, n, lookup_tokens=10),
             "assistgen plain": lambda ids=ids: ours(model, ids, n),
             "assistgen lookup": lambda ids=ids: ours(model, ids, n, lookup=True),
         }

@@ -16,8 +16,8 @@ import argparse
 import json
 
 from assistgen import load_model
-from assistgen.timing import step_times as measure_step_times
-from assistgen.transforms import (
+from assistgen.backends.torch.timing import step_times as measure_step_times
+from assistgen.backends.torch.transforms import (
     grouped_query_attention,
     remove_grouped_query_attention,
     remove_small_rows_linear,

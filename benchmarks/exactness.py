@@ -14,14 +14,11 @@ import argparse
 import json
 import sys
 
-import torch
-
 from assistgen import generate, load_model
 from assistgen.api import encode_prompt
-from assistgen.demo import summary_prompt
-from assistgen.devices import model_device
-from assistgen.exactness import first_divergence
-from assistgen.transforms import untransformed
+from assistgen.backends.torch.reference import hf_generate
+from assistgen.cli.demo import summary_prompt
+from assistgen.core.exactness import first_divergence
 
 PROMPTS = [
     summary_prompt(),
@@ -38,10 +35,7 @@ PROMPTS = [
 
 
 def hf_reference(model, ids, n):
-    with untransformed(model.hf):
-        inputs = torch.tensor([ids], device=model_device(model))  # [1, n]
-        out = model.hf.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n, do_sample=False)
-        return out[0, len(ids):].tolist()
+    return hf_generate(model, ids, n)[0]
 
 
 def main(argv=None) -> int:
@@ -59,7 +53,7 @@ def main(argv=None) -> int:
             plain = generate(model, ids, max_new_tokens=args.tokens).token_ids
             lookup = generate(model, ids, lookup=True, max_new_tokens=args.tokens).token_ids
             for pair, (a, b) in {"hf vs plain": (hf, plain), "plain vs lookup": (plain, lookup)}.items():
-                d = first_divergence(model.hf, ids, a, b)
+                d = first_divergence(model, ids, a, b)
                 rows.append({"model": name, "prompt": i, "pair": pair, "identical": a == b,
                              "position": d.position if d else None, "margin": d.margin if d else None,
                              "near_tie": d.near_tie if d else None})

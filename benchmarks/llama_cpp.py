@@ -24,10 +24,10 @@ from pathlib import Path
 
 from assistgen import generate, load_model
 from assistgen.api import encode_prompt
+from assistgen.backends.torch.devices import model_device
+from assistgen.backends.torch.loading import EMBEDDED
+from assistgen.backends.torch.timing import clock
 from assistgen.bench.dataset import default_suite, read_prompts, select
-from assistgen.devices import model_device
-from assistgen.models import EMBEDDED
-from assistgen.timing import clock
 
 
 def run(binary: Path, args: list[str], timeout: float = 900) -> str:

@@ -26,10 +26,11 @@ from collections import defaultdict
 from assistgen import load_model
 from assistgen.api import encode_prompt
 from assistgen.bench.dataset import default_suite, read_prompts
-from assistgen.costs import verification_costs
-from assistgen.drafters import Draft, lookup_continuation
-from assistgen.gain import MAX_K, step_cost
-from assistgen.schedules import Adaptive, Step
+from assistgen.drafters.base import Draft
+from assistgen.drafters.lookup import lookup_continuation
+from assistgen.policy.costs import pass_costs
+from assistgen.policy.gain import MAX_K, step_cost
+from assistgen.policy.schedules import Adaptive, StepOutcome, verified_lengths
 
 
 def accepted_lengths(prompt: list[int], output: list[int], max_k: int = MAX_K) -> list[int]:
@@ -64,12 +65,12 @@ def replay_schedule(schedule, prompt: list[int], output: list[int], costs: list[
         k = min(run.next_k(part), room)
         draft_tokens, n_gram = lookup_continuation(prompt + output[:i], k, 3, 1)
         draft = Draft(draft_tokens, source=f"lookup:{n_gram}")
-        n = min(run.trim(draft, part.name, room), room) if draft_tokens else 0
+        n = verified_lengths([run], [draft], [part.name], [room], run.costs)[0] if draft_tokens else 0
         accepted = 0
         while accepted < n and draft_tokens[accepted] == output[i + accepted]:
             accepted += 1
         token = output[i + accepted]
-        run.update(Step(draft if n or draft_tokens else Draft(), part.name if draft_tokens else "", n, accepted,
+        run.update(StepOutcome(draft if n or draft_tokens else Draft(), part.name if draft_tokens else "", n, accepted,
                         token))
         cost += step_cost(costs, n)
         tokens += accepted + 1
@@ -90,7 +91,7 @@ def main() -> None:
     records = [r for r in records if r["temperature"] == 0.0]
     prompts = {p.question_id: p for p in read_prompts(default_suite())}
     model = load_model(records[0]["model"])
-    costs = verification_costs(model)
+    costs = list(pass_costs(model).curve)
     by = {(r["question_id"], r["method"]): r for r in records}
     rows: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     changed = []
@@ -103,7 +104,7 @@ def main() -> None:
             changed.append(r["question_id"])  # the suite's prompt changed since the file was written
             continue
         lengths = accepted_lengths(ids, r["tokens"])
-        replayed = replay_schedule(Adaptive(costs=costs), ids, r["tokens"], costs)
+        replayed = replay_schedule(Adaptive(curve=costs), ids, r["tokens"], costs)
         for category in (r["category"], "overall"):
             row = rows[category]
             row["tokens"] += len(r["tokens"])

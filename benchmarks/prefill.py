@@ -20,8 +20,8 @@ import time
 import torch
 
 from assistgen import load_model
-from assistgen.cache import KVCache
-from assistgen.quantize import COMPUTE, Int4Linear, QuantizedLinear, unpack_int4
+from assistgen.backends.torch.cache import KVCache
+from assistgen.backends.torch.quantize import COMPUTE, Int4Linear, QuantizedLinear, unpack_int4
 
 
 def out_of_place(self: Int4Linear) -> torch.Tensor:
@@ -44,7 +44,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(args.model, quantize=args.quantize)
-    cache = KVCache(model.hf)
+    cache = KVCache(model)
     vocab = min(model.vocab_size, len(model.tokenizer))
     ids = torch.randint(3, vocab, (max(int(n) for n in args.rows.split(",")),),
                         generator=torch.Generator().manual_seed(0)).tolist()

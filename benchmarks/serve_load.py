@@ -1,7 +1,7 @@
 """Load test of `assistgen serve`: aggregate tok/s and latency under 1..16 concurrent streaming clients.
 
 Contract: for each configuration (plain: no drafter; lookup: `--lookup` speculation) it starts the server
-itself (`python -m assistgen.cli serve` on a free 127.0.0.1 port), and for each concurrency c runs c
+itself (`python -m assistgen.cli.main serve` on a free 127.0.0.1 port), and for each concurrency c runs c
 clients sharing `--round-requests` streamed chat completions (each client takes the next prompt when its
 last one is done) over prompts of the suite (first turn of each record, optionally of some
 `--categories` only, cycled in a fixed order: every configuration gets the same requests), then stops the
@@ -64,7 +64,7 @@ def free_port() -> int:
 
 
 def start_server(args, flags: list[str], port: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "assistgen.cli", "serve", "--model", args.model, "--port", str(port), *flags]
+    command = [sys.executable, "-m", "assistgen.cli.main", "serve", "--model", args.model, "--port", str(port), *flags]
     if args.max_batch:
         command += ["--max-batch", str(args.max_batch)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)

@@ -15,28 +15,17 @@ import json
 import statistics
 import sys
 
-import torch
-
 from assistgen import generate, load_model
 from assistgen.api import encode_prompt
-from assistgen.devices import model_device
-from assistgen.timing import clock
-from assistgen.transforms import untransformed
+from assistgen.backends.torch.devices import model_device
+from assistgen.backends.torch.reference import ForwardCounter, hf_generate
+from assistgen.backends.torch.timing import clock
 
 PROMPTS = {
     "story": "Write a short story about a lighthouse keeper who finds a message in a bottle.\n\n",
     "code": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "italian": "La città di Roma è famosa per",
 }
-
-
-class ForwardCounter:
-    def __init__(self, module: torch.nn.Module):
-        self.count = 0
-        module.register_forward_pre_hook(self._hook)
-
-    def _hook(self, *args):
-        self.count += 1
 
 
 def main(argv=None) -> int:
@@ -48,20 +37,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     target = load_model(args.target, fast_linear="on")
     assistant = load_model(args.assistant, fast_linear="on")
-    counter = ForwardCounter(assistant.hf)
+    counter = ForwardCounter(assistant)
     n = args.tokens
     device = model_device(target)
 
     def hf(ids, uag: bool, n=n):
-        extra = {"assistant_model": assistant.hf, "tokenizer": target.tokenizer,
-                 "assistant_tokenizer": assistant.tokenizer} if uag else {}
-        with untransformed(target.hf, assistant.hf):
-            counter.count = 0
-            inputs = torch.tensor([ids], device=device)  # [1, n]
-            t = clock(device)
-            out = target.hf.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n,
-                                     do_sample=False, **extra)
-            return out[0, len(ids):].tolist(), clock(device) - t, counter.count
+        counter.count = 0
+        tokens, seconds = hf_generate(target, ids, n, assistant=assistant if uag else None, universal=uag)
+        return tokens, seconds, counter.count
 
     def ours(ids, universal: bool, n=n):
         counter.count = 0

@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from assistgen.models import Model
+from assistgen.backends.torch.model import Model
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. The dog sleeps all day long.",

@@ -7,9 +7,10 @@ import random
 import time
 
 import pytest
-from conftest import SMALL_TOKENIZER, encode, hf_greedy, tiny_llama
+import torch
+from helpers import SMALL_TOKENIZER, encode, hf_greedy, tiny_llama, verified
 
-import assistgen.costs
+import assistgen.policy.costs
 from assistgen import (
     Adaptive,
     AssistantDrafter,
@@ -25,9 +26,9 @@ from assistgen import (
     UniversalDrafter,
     generate,
 )
-from assistgen.costs import verification_costs
-from assistgen.gain import MAX_K, best_lookahead, expected_gain, expected_tokens
-from assistgen.schedules import Acceptance, AdaptiveRun, Step, finishing_pays
+from assistgen.policy.costs import pass_costs
+from assistgen.policy.gain import MAX_K, best_lookahead, expected_gain, expected_tokens, finishing_pays
+from assistgen.policy.schedules import Acceptance, AdaptiveRun, StepOutcome
 
 FLAT = [1.0] * 17  # verification as cheap as one token (the GPU picture)
 LINEAR = [1.0 + k for k in range(17)]  # every verified token costs a full step (no batching gain)
@@ -80,32 +81,32 @@ def test_the_choice_follows_the_shape_of_the_cost_curve():
     assert best_lookahead([1.0] * 8, costs, c=0.0, k_max=7)[0] == 4
 
 
-def step(draft: list[int], part: str, verified: int, accepted: int, token: int, probs=None, source=None) -> Step:
-    return Step(Draft(draft, probs, source=source or part), part, verified, accepted, token, draft_s=1e-4,
+def step(draft: list[int], part: str, verified: int, accepted: int, token: int, probs=None, source=None) -> StepOutcome:
+    return StepOutcome(Draft(draft, probs, source=source or part), part, verified, accepted, token, draft_s=1e-4,
                 verify_s=0.05)
 
 
 def test_a_cheap_drafter_is_trimmed_to_zero_when_wrong_and_comes_back_when_right():
-    policy = Adaptive(costs=[1.0 + 0.2 * k for k in range(17)]).prepare(None, [Cheap()])
+    policy = Adaptive(curve=[1.0 + 0.2 * k for k in range(17)]).prepare(None, [Cheap()])
     assert policy.next_k(Cheap()) == 16  # free: propose as much as possible, trim afterwards
     for _ in range(20):  # every draft wrong at its first token
         draft = [7] * 16
-        n = policy.trim(Draft(draft, source="lookup"), "lookup")
+        n = verified(policy, Draft(draft, source="lookup"), "lookup")
         policy.update(step(draft, "lookup", n, 0, token=3))
-    assert policy.trim(Draft([7] * 16, source="lookup"), "lookup") == 0
+    assert verified(policy, Draft([7] * 16, source="lookup"), "lookup") == 0
     # Now the text is predictable. With k = 0 nothing is verified, but the emitted token is compared with the
     # unverified draft for free, so the estimate recovers and speculation resumes.
     for _ in range(10):
         draft = [5] * 16
-        n = policy.trim(Draft(draft, source="lookup"), "lookup")
+        n = verified(policy, Draft(draft, source="lookup"), "lookup")
         policy.update(step(draft, "lookup", n, n, token=5))
-    assert policy.trim(Draft([5] * 16, source="lookup"), "lookup") >= 4
+    assert verified(policy, Draft([5] * 16, source="lookup"), "lookup") >= 4
 
 
 def test_a_costly_drafter_is_switched_off_probed_and_switched_back_on():
     part = Costly()
     # A flat cost curve (a GPU's): catching up on the tokens missed while off is cheap, so probes fit the budget.
-    policy = Adaptive(costs=[1.0 + 0.01 * k for k in range(17)], drafter_cost_prior=0.3, probe_share=0.05).prepare(
+    policy = Adaptive(curve=[1.0 + 0.01 * k for k in range(17)], drafter_cost_prior=0.3, probe_share=0.05).prepare(
         None, [part])
     ks = []
     for _ in range(60):  # drafts are always rejected
@@ -127,7 +128,7 @@ def test_adaptive_plain_text_drafts_little_and_stays_exact():
     """A random-weight target and prompt lookup on text with nothing to copy: exact output, few wasted drafts."""
     target = tiny_llama(seed=0)
     ids = encode("Once upon a time, in a land far away, there lived")
-    schedule = Adaptive(costs=LINEAR)  # no batching gain at all: a draft can never pay
+    schedule = Adaptive(curve=LINEAR)  # no batching gain at all: a draft can never pay
     out = generate(target, ids, lookup=True, max_new_tokens=40, eos_token_ids=(), schedule=schedule)
     assert out.token_ids == hf_greedy(target, ids, 40)
     assert out.stats.drafted_tokens == 0 and out.stats.steps == 40
@@ -137,8 +138,8 @@ def test_verification_costs_are_measured_once_and_cached_on_disk(tmp_path, monke
     monkeypatch.setenv("ASSISTGEN_CACHE", str(tmp_path))
     target = tiny_llama(seed=0)
     target.cache_key = "tiny-test-model"
-    costs = verification_costs(target)
-    assert len(costs) == assistgen.costs.MAX_K + 1 and costs[0] == 1.0 and all(c > 0 for c in costs)
+    costs = list(pass_costs(target).curve)
+    assert len(costs) == MAX_K + 1 and costs[0] == 1.0 and all(c > 0 for c in costs)
     files = list((tmp_path / "costs").glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["verification_costs"] == costs
 
@@ -148,15 +149,15 @@ def test_verification_costs_are_measured_once_and_cached_on_disk(tmp_path, monke
     def fail(*args, **kwargs):
         raise AssertionError("measured again although a cached measurement exists")
 
-    monkeypatch.setattr(assistgen.costs, "measure_costs", fail)
-    assert verification_costs(fresh) == costs
-    before = assistgen.costs.costs_path(fresh)
-    monkeypatch.setattr(assistgen.costs.torch, "get_num_threads", lambda: 99)
-    assert assistgen.costs.costs_path(fresh) != before  # another machine set-up measures again
+    monkeypatch.setattr(assistgen.policy.costs, "measure_costs", fail)
+    assert list(pass_costs(fresh).curve) == costs
+    before = assistgen.policy.costs.costs_path(fresh)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 99)
+    assert assistgen.policy.costs.costs_path(fresh) != before  # another machine set-up measures again
 
 
 def test_a_probe_that_must_catch_up_on_a_long_prompt_waits_longer():
-    settings = Adaptive(costs=[1.0 + 0.01 * k for k in range(17)], drafter_cost_prior=0.5, probe_share=0.05)
+    settings = Adaptive(curve=[1.0 + 0.01 * k for k in range(17)], drafter_cost_prior=0.5, probe_share=0.05)
     short = settings.prepare(None, [Costly()], prompt_length=10)
     long = settings.prepare(None, [Costly()], prompt_length=5000)  # a probe would first feed 5000 tokens to it
     for policy in (short, long):
@@ -170,7 +171,7 @@ def test_a_probe_that_must_catch_up_on_a_long_prompt_waits_longer():
 def test_a_costly_drafter_starts_only_when_its_catch_up_on_the_prompt_pays():
     """Drafting is expected to pay per step, but first the assistant must read the prompt: worth it for a short
     prompt or a long generation, not for a long prompt followed by a few tokens."""
-    settings = Adaptive(costs=[1.0 + 0.02 * k for k in range(17)], drafter_cost_prior=0.2)
+    settings = Adaptive(curve=[1.0 + 0.02 * k for k in range(17)], drafter_cost_prior=0.2)
 
     def first_k(prompt_length, budget):
         return settings.prepare(None, [Costly()], prompt_length=prompt_length, budget=budget).next_k(Costly())
@@ -182,7 +183,7 @@ def test_a_costly_drafter_starts_only_when_its_catch_up_on_the_prompt_pays():
 
 
 def test_a_drafter_that_drafted_last_step_pays_no_catch_up():
-    settings = Adaptive(costs=[1.0 + 0.02 * k for k in range(17)], drafter_cost_prior=0.2)
+    settings = Adaptive(curve=[1.0 + 0.02 * k for k in range(17)], drafter_cost_prior=0.2)
     policy = settings.prepare(None, [Costly()], prompt_length=20, budget=64)
     k = policy.next_k(Costly())
     policy.update(step([4] * k, "assistant", k, k, token=4))
@@ -192,17 +193,17 @@ def test_a_drafter_that_drafted_last_step_pays_no_catch_up():
 
 
 def test_a_new_source_starts_from_its_drafters_pooled_estimate():
-    settings = Adaptive(costs=[1.0 + 0.05 * k for k in range(17)])
+    settings = Adaptive(curve=[1.0 + 0.05 * k for k in range(17)])
     policy = settings.prepare(None, [Cheap()])
     for _ in range(10):  # lookup:3 drafts are always right
         draft = [5] * 16
-        n = policy.trim(Draft(draft, source="lookup:3"), "lookup")
+        n = verified(policy, Draft(draft, source="lookup:3"), "lookup")
         policy.update(step(draft, "lookup", n, n, token=5, source="lookup:3"))
-    assert policy.trim(Draft([5] * 16, source="lookup:3"), "lookup") >= 14
+    assert verified(policy, Draft([5] * 16, source="lookup:3"), "lookup") >= 14
     # A first lookup:1 draft is judged by what lookup has shown so far, not by the 0.5 prior.
     fresh = settings.prepare(None, [Cheap()])  # a new generation with the same settings: nothing learnt
-    assert fresh.trim(Draft([5] * 16, source="lookup:1"), "lookup") < 8
-    assert policy.trim(Draft([5] * 16, source="lookup:1"), "lookup") >= 14
+    assert verified(fresh, Draft([5] * 16, source="lookup:1"), "lookup") < 8
+    assert verified(policy, Draft([5] * 16, source="lookup:1"), "lookup") >= 14
 
 
 class Oracle:
@@ -247,13 +248,13 @@ def test_no_draft_token_is_verified_past_max_new_tokens():
 
 def test_near_the_end_it_verifies_everything_that_can_finish_the_generation():
     costs = [1.0] * 6 + [1.3] * 11  # up to 5 draft tokens cost one step, 6 or more cost 1.3
-    policy = Adaptive(costs=costs).prepare(None, [Cheap()])
+    policy = Adaptive(curve=costs).prepare(None, [Cheap()])
     for _ in range(10):  # lookup is always right
         policy.update(step([5] * 16, "lookup", 16, 16, token=5))
     draft = Draft([5] * 6, source="lookup")
-    assert policy.trim(draft, "lookup") == 5  # per step, 6 tokens for 1.0 beat 7 for 1.3
-    assert policy.trim(draft, "lookup", room=6) == 6  # but 7 tokens end the generation: one step, not two
-    assert policy.trim(Draft([5] * 16, source="lookup"), "lookup", room=30) == 16  # far from the end: unchanged
+    assert verified(policy, draft, "lookup") == 5  # per step, 6 tokens for 1.0 beat 7 for 1.3
+    assert verified(policy, draft, "lookup", room=6) == 6  # but 7 tokens end the generation: one step, not two
+    assert verified(policy, Draft([5] * 16, source="lookup"), "lookup", room=30) == 16  # far from the end: unchanged
     assert finishing_pays([1.0] * 17, costs, 5, 6.0, 6)
     assert not finishing_pays([0.2] * 17, costs, 1, 1.2, 6)  # unlikely to finish anyway: keep the cheap step
 
@@ -266,14 +267,14 @@ def test_unverified_positions_of_a_free_drafter_are_assumed_at_least_the_floor()
     assert rates[0] == pytest.approx(0.5) and min(rates[1:]) == pytest.approx(0.7)
     assert Acceptance(0.5, 0.2, 17).estimate()[1:] == [0.5] * 16  # no floor: the position before
     costs = [1.0 + 0.05 * k for k in range(17)]
-    optimistic = Adaptive(costs=costs, drafter_cost_prior=0.5).prepare(None, [Cheap(), Costly()])
-    plain = Adaptive(costs=costs, drafter_cost_prior=0.5, unseen_floor=0.0).prepare(None, [Cheap(), Costly()])
+    optimistic = Adaptive(curve=costs, drafter_cost_prior=0.5).prepare(None, [Cheap(), Costly()])
+    plain = Adaptive(curve=costs, drafter_cost_prior=0.5, unseen_floor=0.0).prepare(None, [Cheap(), Costly()])
     for policy in (optimistic, plain):
         for accepted in (0, 1, 0, 1):  # only first tokens verified so far, half of them right
             policy.estimate("lookup").record(1, accepted)
     assert optimistic.estimate("assistant").unseen_floor == 0.0  # a model drafter pays for every token
     draft = Draft([5] * 16, source="lookup")
-    assert optimistic.trim(draft, "lookup") > plain.trim(draft, "lookup")
+    assert verified(optimistic, draft, "lookup") > verified(plain, draft, "lookup")
 
 
 def test_one_lucky_draft_does_not_set_a_rate_to_one():
@@ -315,7 +316,7 @@ def test_a_sampled_adaptive_generation_depends_on_the_seed_not_on_timings():
     target = tiny_llama(seed=0, layers=2, hidden=32, scale=0.15, tokenizer=SMALL_TOKENIZER)
     assistant = tiny_llama(seed=3, layers=1, hidden=32, scale=0.15, tokenizer=SMALL_TOKENIZER)
     prompt = SMALL_TOKENIZER("abcab")["input_ids"]
-    settings = Adaptive(costs=[1.0 + 0.05 * k for k in range(17)], drafter_cost_prior=0.05)
+    settings = Adaptive(curve=[1.0 + 0.05 * k for k in range(17)], drafter_cost_prior=0.05)
 
     def sample(seed):
         return generate(target, prompt, assistant=Jittery(AssistantDrafter(assistant, target)), schedule=settings,
@@ -329,7 +330,7 @@ def test_a_sampled_adaptive_generation_depends_on_the_seed_not_on_timings():
 
 
 def test_a_schedule_is_settings_and_each_generation_gets_its_own_state():
-    settings = Adaptive(costs=[1.0 + 0.05 * k for k in range(17)])
+    settings = Adaptive(curve=[1.0 + 0.05 * k for k in range(17)])
     before = repr(settings)
     with pytest.raises(AttributeError):
         settings.max_k = 3  # frozen

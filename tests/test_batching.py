@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import encode, tiny_gemma3, tiny_gpt2, tiny_llama
+from helpers import encode, tiny_gemma3, tiny_gpt2, tiny_llama
 
 from assistgen import Constant
-from assistgen.batching import BatchEngine, EngineSettings, QueueFull
-from assistgen.cache import KVCache, feed_together
+from assistgen.backends.torch.cache import KVCache, feed_together
+from assistgen.backends.torch.quantize import quantize
+from assistgen.backends.torch.transforms import optimize
 from assistgen.config import GenerationConfig
-from assistgen.drafters import NoDrafter, PromptLookupDrafter
-from assistgen.engine import begin, step, stream
-from assistgen.gain import batch_lookahead, expected_tokens
-from assistgen.quantize import quantize
-from assistgen.schedules import Adaptive
-from assistgen.transforms import optimize
+from assistgen.core.engine import begin, step, stream
+from assistgen.drafters.base import NoDrafter
+from assistgen.drafters.lookup import PromptLookupDrafter
+from assistgen.policy.gain import expected_tokens, lookahead
+from assistgen.policy.schedules import Adaptive
+from assistgen.serving.batching import BatchEngine, EngineSettings, QueueFull
 
 ARCHS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "gemma3": tiny_gemma3}
 TEXTS = ["the cat sat on the mat and the cat sat on the mat and the",
@@ -35,7 +36,7 @@ def test_feed_together_equals_a_full_forward_per_sequence(arch, one_thread):
     seqs = [encode(t) for t in TEXTS[:4]]
     with torch.inference_mode():
         full = [model.hf(torch.tensor([s])).logits[0].float() for s in seqs]  # [len, vocab] each
-    caches = [KVCache(model.hf) for _ in seqs]
+    caches = [KVCache(model) for _ in seqs]
     cuts = [10, 3, 7, 20]
     feed_together([(c, s[:n], 1) for c, s, n in zip(caches, seqs, cuts, strict=True)])
     feed_together([(c, [5, 6, 7], 3) for c in caches])  # a draft, rejected:
@@ -50,16 +51,16 @@ def test_feed_together_equals_a_full_forward_per_sequence(arch, one_thread):
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_rows_are_bitwise_the_same_alone_or_in_a_batch(scheme, one_thread):
     model = tiny_llama()
-    quantize(model.hf, scheme)
+    quantize(model, scheme)
     model.quantization = scheme
     optimize(model)
     seqs = [encode(t) for t in TEXTS[:3]]
     alone = []
     for s in seqs:
-        c = KVCache(model.hf)
+        c = KVCache(model)
         c.feed(s[:8])
         alone.append(c.feed(s[8:12], logits_to_keep=4))
-    caches = [KVCache(model.hf) for _ in seqs]
+    caches = [KVCache(model) for _ in seqs]
     feed_together([(c, s[:8], 1) for c, s in zip(caches, seqs, strict=True)])
     together = feed_together([(c, s[8:12], 4) for c, s in zip(caches, seqs, strict=True)])
     for a, t in zip(alone, together, strict=True):
@@ -126,22 +127,22 @@ def test_sampling_in_a_batch_keeps_each_request_stream(one_thread):
     assert sum(s.stats.drafted_tokens for s in seqs) > 0
 
 
-def test_batch_lookahead_drafts_only_where_the_step_gains():
+def test_lookahead_drafts_only_where_the_step_gains():
     rates = [[0.9], [0.2], [0.6]]
     limits = [5, 5, 5]
-    flat = batch_lookahead(rates, limits, lambda rows: 1.0, fixed_rows=3)  # rows are free: verify everything
+    flat = lookahead(rates, limits, lambda rows: 1.0, fixed_rows=3)  # rows are free: verify everything
     assert flat == limits
-    linear = batch_lookahead(rates, limits, lambda rows: rows / 3, fixed_rows=3)  # every row costs a full share
+    linear = lookahead(rates, limits, lambda rows: rows / 3, fixed_rows=3)  # every row costs a full share
     assert linear == [0, 0, 0]
     curve = lambda rows: 1.0 + 0.1 * max(0, rows - 3)  # noqa: E731 - a cheap row each
-    chosen = batch_lookahead(rates, limits, curve, fixed_rows=3)
+    chosen = lookahead(rates, limits, curve, fixed_rows=3)
     assert chosen[0] >= chosen[2] >= chosen[1]  # likelier drafts get more rows
 
     def rate(k):
         return sum(expected_tokens(r, n) for r, n in zip(rates, k, strict=True)) / curve(3 + sum(k))
 
     assert rate(chosen) >= max(rate([0, 0, 0]), rate(limits))
-    assert batch_lookahead([], [], curve, fixed_rows=4) == []
+    assert lookahead([], [], curve, fixed_rows=4) == []
 
 
 def test_engine_joins_cancels_and_refuses_past_its_queue(one_thread):
@@ -166,30 +167,31 @@ def test_engine_joins_cancels_and_refuses_past_its_queue(one_thread):
     assert not engine.thread.is_alive() and engine.num_running == 0
 
 
-def test_rows_cost_follows_the_measured_curve_past_one_sequence(one_thread):
-    from assistgen.costs import WIDE_ROWS, calibration, pass_costs
+def test_pass_costs_follow_the_measured_curve_past_one_sequence(one_thread):
+    from assistgen.policy.costs import WIDE_ROWS, pass_costs
 
     model = tiny_llama()
-    record = calibration(model)
-    rows_cost = lambda m, n: pass_costs(m).rows(n)  # noqa: E731
+    costs = pass_costs(model)
+    record = costs.record
     v = record["verification_costs"]
-    assert [rows_cost(model, n) for n in range(1, len(v) + 1)] == v
-    assert [rows_cost(model, n) for n in WIDE_ROWS] == pytest.approx(record["wide_costs"])
-    between = rows_cost(model, (WIDE_ROWS[-2] + WIDE_ROWS[-1]) // 2)
+    assert model.costs is costs  # kept in the model's own field
+    assert [costs.rows(n) for n in range(1, len(v) + 1)] == v
+    assert [costs.rows(n) for n in WIDE_ROWS] == pytest.approx(record["wide_costs"])
+    between = costs.rows((WIDE_ROWS[-2] + WIDE_ROWS[-1]) // 2)
     assert min(record["wide_costs"][-2:]) <= between <= max(record["wide_costs"][-2:])
     slope = (record["wide_costs"][-1] - record["wide_costs"][-2]) / (WIDE_ROWS[-1] - WIDE_ROWS[-2])
-    assert rows_cost(model, 2 * WIDE_ROWS[-1]) == pytest.approx(record["wide_costs"][-1] + slope * WIDE_ROWS[-1])
+    assert costs.rows(2 * WIDE_ROWS[-1]) == pytest.approx(record["wide_costs"][-1] + slope * WIDE_ROWS[-1])
 
 
 def test_prefill_budget_is_shared_earliest_first(one_thread):
-    from assistgen.engine import prefill_plan
+    from assistgen.core.engine import prefill_rows
 
     model = tiny_llama()
     config = GenerationConfig(max_new_tokens=4, eos_token_ids=())
     seqs = [begin(model, encode(t), NoDrafter(), Adaptive(), config) for t in ("abcdef", "ghijklmnop", "qrs")]
-    plan = prefill_plan(seqs, 8)
+    plan = prefill_rows(seqs, 8)
     assert [len(plan.get(id(s), [])) for s in seqs] == [5, 3, 0]  # a sequence's cache stops one token short
-    assert sum(map(len, prefill_plan(seqs, None).values())) == 5 + 9 + 2
+    assert sum(map(len, prefill_rows(seqs, None).values())) == 5 + 9 + 2
     chunks = step(seqs, 8)
     assert chunks == [None, None, None] and [len(s.cache) for s in seqs] == [5, 3, 0]
     chunks = step(seqs, 8)  # the first decodes, the second finishes its prompt, the third starts

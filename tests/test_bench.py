@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import tiny_llama
+from helpers import tiny_llama
 
 from assistgen.bench.dataset import DatasetError, Prompt, read_prompts, select
 from assistgen.bench.report import aggregate, ceilings, oracle_bound, theoretical_speedup
 from assistgen.bench.runner import Runner, parse_method, run_bench
-from assistgen.cli import main
+from assistgen.cli.main import main
 
 
 def write_jsonl(path, records):

@@ -2,7 +2,7 @@
 
 Skipped where there is no CUDA device; `benchmarks/gpu.sh` runs it on a GPU machine. Greedy outputs are
 compared token for token; a difference is accepted only at a floating-point near-tie of the target's
-logits (`assistgen.exactness`), with a margin that fits the dtype: bfloat16 logits carry 8 bits of
+logits (`assistgen.core.exactness`), with a margin that fits the dtype: bfloat16 logits carry 8 bits of
 mantissa, so two kernels that sum in another order can swap tokens whose logits are a few units in
 the last place apart (0.125 at a logit of 16..32).
 """
@@ -11,21 +11,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import encode, hf_greedy, tiny_gemma3, tiny_llama
+from helpers import encode, hf_greedy, tiny_gemma3, tiny_llama
 
-from assistgen import generate, load_model
+from assistgen import Model, ModelLoadError, generate, load_model
 from assistgen.api import encode_prompt
-from assistgen.cache import KVCache
+from assistgen.backends.torch.cache import KVCache
+from assistgen.backends.torch.devices import DeviceError, model_device
+from assistgen.backends.torch.quantize import quantize
+from assistgen.backends.torch.timing import machine
+from assistgen.backends.torch.transforms import is_applied, tune_routes, untransformed
 from assistgen.config import GenerationConfig
-from assistgen.devices import DeviceError, model_device
-from assistgen.early_exit import EarlyExitDrafter, default_calibration_ids, truncated_model
-from assistgen.exactness import first_divergence
-from assistgen.models import Model, ModelLoadError
-from assistgen.quantize import quantize
-from assistgen.sampling import Sampler, verify_speculative
-from assistgen.schedules import Constant, Heuristic
-from assistgen.timing import machine
-from assistgen.transforms import is_applied, tune_routes, untransformed
+from assistgen.core.exactness import first_divergence
+from assistgen.core.sampling import Sampler, verify_speculative
+from assistgen.drafters.early_exit import EarlyExitDrafter, default_calibration_ids
+from assistgen.policy.schedules import Constant, Heuristic
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu.sh)")
 
@@ -51,7 +50,7 @@ def transformers_greedy(model: Model, ids: list[int], n: int) -> list[int]:
 
 
 def assert_exact_or_near_tie(model: Model, prompt: list[int], reference: list[int], ours: list[int]) -> None:
-    d = first_divergence(model.hf, prompt, reference, ours)
+    d = first_divergence(model, prompt, reference, ours)
     if d is None:
         assert ours == reference
     else:
@@ -75,7 +74,7 @@ def test_tiny_models_decode_on_the_gpu_like_transformers(make):
 
 def test_the_cache_feeds_on_the_model_device():
     model = on_cuda(tiny_llama())
-    cache = KVCache(model.hf)
+    cache = KVCache(model)
     assert cache.device.type == "cuda"
     logits = cache.feed(encode("hello"), logits_to_keep=2)
     assert logits.device.type == "cuda" and logits.shape[0] == 2
@@ -103,7 +102,7 @@ def test_tiny_sampling_is_seeded_on_the_gpu():
 def test_cpu_only_pieces_refuse_gpu_weights():
     model = on_cuda(tiny_llama())
     with pytest.raises(DeviceError, match="int4 quantization .*CPU kernels only.*cuda"):
-        quantize(model.hf, "int4")
+        quantize(model, "int4")
     with pytest.raises(DeviceError, match="small-row linear transform"):
         tune_routes(model)
     with pytest.raises(ModelLoadError, match="CPU kernels"):
@@ -134,7 +133,7 @@ def test_loading_on_the_gpu_leaves_the_cpu_routes_out_and_names_the_gpu(smollm2)
 def test_smollm2_plain_lookup_and_assistant_equal_transformers(smollm2, text):
     ids = encode_prompt(smollm2, text, chat=True)
     reference = transformers_greedy(smollm2, ids, N)
-    assistant = truncated_model(smollm2, 20)  # same tokenizer: the target's first 20 layers
+    assistant = smollm2.truncated(20)  # same tokenizer: the target's first 20 layers
     for kwargs in ({}, {"lookup": True, "schedule": Constant(4)}, {"assistant": assistant, "schedule": Constant(4)}):
         out = generate(smollm2, ids, max_new_tokens=N, **kwargs)
         if "assistant" in kwargs or ("lookup" in kwargs and text.startswith("Repeat")):
@@ -144,7 +143,7 @@ def test_smollm2_plain_lookup_and_assistant_equal_transformers(smollm2, text):
 
 def test_smollm2_sampling_is_seeded_and_drafts(smollm2):
     ids = encode_prompt(smollm2, PROMPTS[1], chat=True)
-    assistant = truncated_model(smollm2, 20)
+    assistant = smollm2.truncated(20)
     for kwargs in ({"lookup": True}, {"assistant": assistant}):
         runs = [generate(smollm2, ids, max_new_tokens=N, temperature=0.8, top_p=0.95, seed=7,
                          schedule=Constant(4), **kwargs) for _ in range(2)]

@@ -6,21 +6,28 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import encode, tiny_llama
+from helpers import encode, tiny_llama
 
 from assistgen import ModelLoadError, generate, load_model
+from assistgen.backends.torch.cache import KVCache
+from assistgen.backends.torch.devices import DeviceError, accelerator, model_device, require_cpu, resolve_device
+from assistgen.backends.torch.model import Model
+from assistgen.backends.torch.quantize import quantize
+from assistgen.backends.torch.timing import clock, machine, measurement_key
+from assistgen.backends.torch.transforms import (
+    PackedWeight,
+    SmallRowsLinear,
+    is_applied,
+    optimize,
+    small_rows_linear,
+    tune_routes,
+)
 from assistgen.bench.dataset import Prompt
 from assistgen.bench.runner import Runner, parse_method, run_bench
-from assistgen.cache import KVCache
-from assistgen.cli import main
+from assistgen.cli.main import main
 from assistgen.config import GenerationConfig
-from assistgen.devices import DeviceError, accelerator, model_device, require_cpu, resolve_device
-from assistgen.drafters import fit_vocab
-from assistgen.models import Model
-from assistgen.quantize import quantize
-from assistgen.sampling import Sampler
-from assistgen.timing import clock, machine, measurement_key
-from assistgen.transforms import PackedWeight, SmallRowsLinear, is_applied, optimize, small_rows_linear, tune_routes
+from assistgen.core.sampling import Sampler
+from assistgen.drafters.assistant import fit_vocab
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 
@@ -35,7 +42,7 @@ def on_meta() -> Model:
 def test_the_model_device_is_where_its_first_weight_is():
     model = tiny_llama()
     assert model_device(model) == model_device(model.hf) == torch.device("cpu")
-    assert KVCache(model.hf).device == torch.device("cpu")
+    assert KVCache(model).device == torch.device("cpu")
     assert model_device(on_meta()).type == "meta"
     assert model_device(torch.nn.ReLU()) == torch.device("cpu")  # nothing to ask: the CPU
 
@@ -127,13 +134,15 @@ def test_asking_for_the_small_row_routes_off_the_cpu_is_refused_clearly(ask):
 def test_quantizing_weights_off_the_cpu_is_refused_clearly(scheme):
     model = on_meta()
     with pytest.raises(DeviceError, match=f"{scheme} quantization .*CPU kernels only.*bfloat16"):
-        quantize(model.hf, scheme)
+        quantize(model, scheme)
     assert all(type(m) is not torch.nn.Linear or m.weight.device.type == "meta" for m in model.hf.modules())
     assert any(type(m) is torch.nn.Linear for m in model.hf.modules())  # untouched
 
 
-def test_the_guard_passes_cpu_weights():
-    require_cpu(torch.device("cpu"), "anything", "no fix needed")
+def test_the_guard_passes_cpu_weights_and_refuses_others():
+    assert require_cpu(torch.device("cpu"), "anything", "no fix needed") is None
+    with pytest.raises(DeviceError, match="anything runs on PyTorch's CPU kernels only, and the weights are on meta"):
+        require_cpu(torch.device("meta"), "anything", "the fix")
 
 
 def test_bench_repeats_interleave_and_keep_the_first_key():

@@ -6,14 +6,14 @@ import copy
 
 import pytest
 import torch
-from conftest import TOKENIZER, encode, hf_greedy, naive_greedy, tiny_gemma3, tiny_gpt2, tiny_llama
+from helpers import TOKENIZER, encode, hf_greedy, naive_greedy, tiny_gemma3, tiny_gpt2, tiny_llama
 
 from assistgen import Constant, generate
-from assistgen.cache import KVCache
-from assistgen.costs import verification_costs
-from assistgen.early_exit import EarlyExitDrafter, best_speedup, calibrate_exit_layer, truncated_model
-from assistgen.gain import MAX_K, expected_gain
-from assistgen.models import Model
+from assistgen.backends.torch.cache import KVCache
+from assistgen.backends.torch.model import Model
+from assistgen.drafters.early_exit import EarlyExitDrafter, best_speedup, calibrate_exit_layer
+from assistgen.policy.costs import pass_costs
+from assistgen.policy.gain import MAX_K, expected_gain
 
 ARCHS = {"llama": tiny_llama, "gemma3": tiny_gemma3, "gpt2": tiny_gpt2}
 
@@ -38,7 +38,7 @@ def deep_cut(model: Model, layers: int) -> Model:
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_truncated_model_shares_weights_and_leaves_the_target_alone(arch):
     target = ARCHS[arch](layers=3)
-    truncated = truncated_model(target, 2)
+    truncated = target.truncated(2)
     target_ptrs = {p.data_ptr() for p in target.hf.parameters()}
     own = [p for p in truncated.hf.parameters() if p.data_ptr() not in target_ptrs]
     assert own == []  # no parameter memory of its own
@@ -46,7 +46,7 @@ def test_truncated_model_shares_weights_and_leaves_the_target_alone(arch):
     assert len(layer_list(target.hf)) == 3 and target.hf.config.num_hidden_layers == 3
     assert truncated.hf.get_output_embeddings() is target.hf.get_output_embeddings()
     for model, layers in ((truncated, 2), (target, 3)):
-        cache = KVCache(model.hf)
+        cache = KVCache(model)
         cache.feed(encode("abc"))
         assert len(cache.kv.keys) == layers  # one key buffer per layer that ran
 
@@ -57,7 +57,7 @@ def test_truncated_logits_equal_a_deep_copy_cut_to_n_layers(arch, layers):
     target = ARCHS[arch](layers=3)
     ids = torch.tensor([encode("Sliding windows must roll back exactly: " * 2)])  # longer than gemma's window 16
     with torch.inference_mode():
-        ours = truncated_model(target, layers).hf(ids).logits
+        ours = target.truncated(layers).hf(ids).logits
         reference = deep_cut(target, layers).hf(ids).logits
         full = target.hf(ids).logits
     assert torch.equal(ours, reference)
@@ -66,7 +66,7 @@ def test_truncated_logits_equal_a_deep_copy_cut_to_n_layers(arch, layers):
 
 def test_gemma3_truncation_keeps_the_first_layer_types():
     target = tiny_gemma3(layers=3)
-    truncated = truncated_model(target, 2)
+    truncated = target.truncated(2)
     assert truncated.hf.config.layer_types == ["sliding_attention", "sliding_attention"]
     assert target.hf.config.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
     assert truncated.hf.config.sliding_window == target.hf.config.sliding_window
@@ -75,13 +75,13 @@ def test_gemma3_truncation_keeps_the_first_layer_types():
 @pytest.mark.parametrize("layers", [0, 3, -1, 1.5, True, None])
 def test_bad_layer_counts_are_refused_clearly(layers):
     with pytest.raises(ValueError, match=r"1 <= layers < 3"):
-        truncated_model(tiny_llama(layers=3), layers)
+        tiny_llama(layers=3).truncated(layers)
 
 
 def test_unsupported_architecture_is_named():
     model = Model(torch.nn.Sequential(torch.nn.Linear(4, 4)), TOKENIZER, "odd")
     with pytest.raises(ValueError, match="Sequential"):
-        truncated_model(model, 1)
+        model.truncated(1)
 
 
 @pytest.mark.parametrize("layers", [1, 2])
@@ -132,7 +132,7 @@ def test_calibration_picks_a_valid_exit_and_reports_it():
 def test_calibration_weighs_the_targets_measured_verification_costs():
     target = tiny_llama(layers=3)
     _, table = calibrate_exit_layer(target)
-    measured = verification_costs(target)  # measured once, remembered: the curve calibration used
+    measured = list(pass_costs(target).curve)  # measured once, remembered: the curve calibration used
     for row in table:
         assert (row["best_speedup"], row["best_k"]) == best_speedup(row["agreement"], row["cost"], measured)
     speedup, k = best_speedup(0.9, 0.1, measured)
@@ -140,7 +140,7 @@ def test_calibration_weighs_the_targets_measured_verification_costs():
 
 
 def test_a_drafter_calibrates_once_per_target(monkeypatch):
-    import assistgen.early_exit as early_exit
+    import assistgen.drafters.early_exit as early_exit
 
     calls = []
     real = early_exit.calibrate_exit_layer
@@ -161,7 +161,7 @@ def test_calibration_needs_some_text():
 @pytest.mark.integration
 def test_real_smollm2_early_exit_equals_plain_greedy(smollm2):
     from assistgen.api import encode_prompt
-    from assistgen.early_exit import default_calibration_ids
+    from assistgen.drafters.early_exit import default_calibration_ids
 
     # A shorter calibration text than the default keeps this test quick; the choice is still calibrated.
     drafter = EarlyExitDrafter(smollm2, calibration_ids=default_calibration_ids(smollm2, 64))

@@ -6,12 +6,12 @@ import random
 
 import pytest
 import torch
-from conftest import TOKENIZER, encode, hf_greedy, tiny_gemma3, tiny_gpt2, tiny_llama
+from helpers import TOKENIZER, encode, hf_greedy, tiny_gemma3, tiny_gpt2, tiny_llama
 
 from assistgen import Constant, Draft, Heuristic, confidence, generate, stream
-from assistgen.cache import KVCache
-from assistgen.schedules import Step
-from assistgen.text import TextStream
+from assistgen.backends.torch.cache import KVCache
+from assistgen.core.text import TextStream
+from assistgen.policy.schedules import StepOutcome
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2, tiny_gemma3])
@@ -21,7 +21,7 @@ def test_cache_feed_and_crop_reproduce_a_full_forward(make):
     ids = encode("A sequence longer than the sliding window of sixteen tokens, fed in pieces.")
     with torch.inference_mode():
         full = model.hf(torch.tensor([ids])).logits[0]  # [len, vocab]
-    cache, rng, pos = KVCache(model.hf), random.Random(0), 0
+    cache, rng, pos = KVCache(model), random.Random(0), 0
     while pos < len(ids):
         n = rng.randint(1, 7)
         chunk, junk = ids[pos : pos + n], [rng.randrange(3, 70) for _ in range(rng.randint(0, 4))]
@@ -33,7 +33,7 @@ def test_cache_feed_and_crop_reproduce_a_full_forward(make):
 
 
 def test_cache_sync_keeps_the_shared_prefix_and_one_token_to_feed():
-    cache = KVCache(tiny_llama().hf)
+    cache = KVCache(tiny_llama())
     cache.feed([5, 6, 7, 8])
     assert cache.sync([5, 6, 9, 10]) == [9, 10] and cache.tokens == [5, 6]
     cache.feed([9, 10])
@@ -123,8 +123,8 @@ def test_heuristic_schedule_sequence():
     assert h.next_k() == 1  # never below 1
 
 
-def outcome(verified: int, accepted: int) -> Step:
-    return Step(Draft(list(range(verified))), "assistant", verified, accepted, token=0)
+def outcome(verified: int, accepted: int) -> StepOutcome:
+    return StepOutcome(Draft(list(range(verified))), "assistant", verified, accepted, token=0)
 
 
 def test_confidence_schedule_stops_the_assistant_early():

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from conftest import encode, tiny_llama
+from helpers import encode, tiny_llama
 
 from assistgen import ConfigError, ModelLoadError, TokenizerMismatchError, generate, load_model
-from assistgen.drafters import AssistantDrafter
-from assistgen.models import Model
+from assistgen.backends.torch.model import Model
+from assistgen.drafters.assistant import AssistantDrafter
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_assistant_and_early_exit_together(target):
 
 
 def test_same_tokenizer_drafter_refuses_a_different_tokenizer(target):
-    from conftest import SMALL_TOKENIZER
+    from helpers import SMALL_TOKENIZER
 
     other = Model(tiny_llama(seed=1, tokenizer=SMALL_TOKENIZER).hf, SMALL_TOKENIZER, "small-vocab")
     with pytest.raises(TokenizerMismatchError, match="tokenizers of .* differ.*universal mode"):

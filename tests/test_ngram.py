@@ -8,10 +8,10 @@ import threading
 import tracemalloc
 
 import pytest
-from conftest import encode, hf_greedy, tiny_llama
+from helpers import encode, hf_greedy, tiny_llama
 
 from assistgen import ConfigError, Constant, generate
-from assistgen.ngram import (
+from assistgen.drafters.ngram import (
     SHARED_NAMESPACE,
     NGramCache,
     NGramCacheDrafter,

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import encode, tiny_gemma3, tiny_gpt2, tiny_llama
+from helpers import encode, tiny_gemma3, tiny_gpt2, tiny_llama
 
 from assistgen import generate
-from assistgen.cache import KVCache
-from assistgen.cli import main as cli_main
-from assistgen.quantize import (
+from assistgen.backends.torch.cache import KVCache
+from assistgen.backends.torch.quantize import (
     KERNEL_ROWS,
     Int4Linear,
     Int8Embedding,
@@ -22,7 +21,8 @@ from assistgen.quantize import (
     row_independent,
     save_quantized,
 )
-from assistgen.transforms import ROW_ATTENTION, grouped_attention_applied, optimize
+from assistgen.backends.torch.transforms import ROW_ATTENTION, grouped_attention_applied, optimize
+from assistgen.cli.main import main as cli_main
 
 SCHEMES = ("int8", "int4")
 MODELS = {"llama": tiny_llama, "gemma3": tiny_gemma3}
@@ -32,7 +32,7 @@ TEXT = "the cat sat on the mat and the dog sat too, so the bird flew over the ho
 def quantized(make, scheme: str, **kwargs):
     """A tiny model quantized and optimized as `load_model(..., quantize=scheme)` does it."""
     model = make(**kwargs)
-    quantize(model.hf, scheme)
+    quantize(model, scheme)
     model.quantization = scheme
     optimize(model)
     assert grouped_attention_applied(model.hf) == ROW_ATTENTION
@@ -47,7 +47,7 @@ def quantized_layers(hf):
 @pytest.mark.parametrize("arch", MODELS)
 def test_every_linear_is_swapped_and_row_independent(arch, scheme):
     model = MODELS[arch]()
-    quantize(model.hf, scheme)
+    quantize(model, scheme)
     assert not any(isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) for m in model.hf.modules())
     layers = quantized_layers(model.hf)
     kind = Int8Linear if scheme == "int8" else Int4Linear
@@ -64,7 +64,7 @@ def test_a_quantized_layer_computes_the_product_it_stores(scheme):
     reference = linear.weight.detach().clone(), linear.bias.detach().clone()
     layer = Int8Linear(256, 80, bias=True) if scheme == "int8" else Int4Linear(256, 80, bias=True, group=128)
     if scheme == "int8":
-        from assistgen.quantize import int8_rows
+        from assistgen.backends.torch.quantize import int8_rows
 
         layer.weight, layer.scales = int8_rows(reference[0])
     else:
@@ -89,11 +89,11 @@ def test_one_token_at_a_time_equals_a_verification_step_bitwise(arch, scheme):
     model = quantized(MODELS[arch], scheme)
     ids = encode(TEXT)
     prefix, rest = ids[:50], ids[50:67]
-    one = KVCache(model.hf)
+    one = KVCache(model)
     one.feed(prefix)
     singles = torch.cat([one.feed([t]) for t in rest])  # [17, vocab]
     for k in (2, 5, 9, 17):
-        many = KVCache(model.hf)
+        many = KVCache(model)
         many.feed(prefix)
         assert torch.equal(many.feed(rest[:k], logits_to_keep=k), singles[:k]), k
 
@@ -118,7 +118,7 @@ def test_int8_keeps_a_tied_head_and_embedding_as_one_tensor():
     model.hf.config.tie_word_embeddings = True
     model.hf.lm_head.weight = model.hf.model.embed_tokens.weight
     ids = torch.tensor([encode("tied weights")])
-    quantize(model.hf, "int8")
+    quantize(model, "int8")
     head, embedding = model.hf.lm_head, model.hf.model.embed_tokens
     assert head.weight is embedding.weight and head.scales is embedding.scales
     assert torch.isfinite(model.hf(ids).logits).all()
@@ -127,12 +127,13 @@ def test_int8_keeps_a_tied_head_and_embedding_as_one_tensor():
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_saved_and_loaded_again_gives_the_same_logits_without_float_weights(tmp_path, scheme):
     model = tiny_gemma3()  # a scaled embedding, sliding-window layers
-    quantize(model.hf, scheme)
+    quantize(model, scheme)
     ids = torch.tensor([encode("the same numbers after a reload")])
     expected = model.hf(ids).logits
-    save_quantized(model.hf, model.tokenizer, tmp_path / "q")
+    save_quantized(model, tmp_path / "q")
     assert is_saved(tmp_path / "q")
-    hf, tokenizer = load_quantized(tmp_path / "q")
+    loaded = load_quantized(tmp_path / "q")
+    hf, tokenizer = loaded.hf, loaded.tokenizer
     assert torch.equal(hf(ids).logits, expected)
     big_float = [n for n, p in list(hf.named_parameters()) + list(hf.named_buffers())
                  if p.is_floating_point() and p.numel() >= 64 * 64]
@@ -142,12 +143,12 @@ def test_saved_and_loaded_again_gives_the_same_logits_without_float_weights(tmp_
 
 def test_unknown_scheme_and_unsupported_models_are_refused_clearly():
     with pytest.raises(QuantizeError, match="supported are int8, int4"):
-        quantize(tiny_llama().hf, "int3")
+        quantize(tiny_llama(), "int3")
     with pytest.raises(QuantizeError, match="Conv1D"):
-        quantize(tiny_gpt2().hf, "int8")
+        quantize(tiny_gpt2(), "int8")
     odd = tiny_llama(hidden=40)  # 40 input features: no int4 group of 32 fits
     with pytest.raises(QuantizeError, match="use --quantize int8"):
-        quantize(odd.hf, "int4")
+        quantize(odd, "int4")
     assert any(isinstance(m, torch.nn.Linear) for m in odd.hf.modules())  # refused before touching the model
 
 

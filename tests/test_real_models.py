@@ -5,17 +5,18 @@ from __future__ import annotations
 import copy
 
 import pytest
-from conftest import hf_greedy
+from helpers import hf_greedy
 
 from assistgen import TokenizerMismatchError, generate, load_model
 from assistgen.api import encode_prompt
-from assistgen.cli import main
-from assistgen.demo import summary_prompt
-from assistgen.drafters import PromptLookupDrafter, check_same_tokenizer
-from assistgen.exactness import first_divergence
-from assistgen.models import Model
-from assistgen.schedules import Constant, Heuristic
-from assistgen.transforms import is_applied
+from assistgen.backends.torch.model import Model
+from assistgen.backends.torch.transforms import is_applied
+from assistgen.cli.demo import summary_prompt
+from assistgen.cli.main import main
+from assistgen.core.exactness import first_divergence
+from assistgen.drafters.assistant import check_same_tokenizer
+from assistgen.drafters.lookup import PromptLookupDrafter
+from assistgen.policy.schedules import Constant, Heuristic
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +41,7 @@ def gemma3():
 
 def assert_exact_or_near_tie(model: Model, prompt: list[int], reference: list[int], ours: list[int]) -> None:
     """Token-identical, or the first difference is a floating-point near-tie (see README)."""
-    d = first_divergence(model.hf, prompt, reference, ours)
+    d = first_divergence(model, prompt, reference, ours)
     assert d is None or d.near_tie, f"divergence at new token {d.position} with margin {d.margin:.2e}"
     if d is None:
         assert ours == reference
@@ -127,7 +128,7 @@ def test_universal_gemma3_drafted_by_smollm2_is_exact(gemma3, smollm2_fast, name
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_real_models_speculate_token_for_token_like_plain_decoding(scheme):
     """No near-tie exception with quantized weights: every drafter gives plain decoding's tokens exactly."""
-    from assistgen.quantize import QuantizedLinear, row_independent
+    from assistgen.backends.torch.quantize import QuantizedLinear, row_independent
 
     smol = load_model("smollm2-135m", quantize=scheme)
     gemma = load_model("gemma3-270m", quantize=scheme)

@@ -20,17 +20,16 @@ from functools import cache
 
 import pytest
 import torch
-from broken_rules import broken_residual_from_p
-from conftest import char_tokenizer, tiny_llama
+from helpers import broken_residual_from_p, char_tokenizer, small_tokenizer, tiny_llama
 from mixed_tokenizers import tiny_model
-from test_universal import small_tokenizer
 
 from assistgen.config import GenerationConfig
-from assistgen.drafters import AssistantDrafter, PromptLookupDrafter
-from assistgen.early_exit import EarlyExitDrafter
-from assistgen.sampling import Sampler, verify_speculative
-from assistgen.sampling import verify_speculative as correct_verify
-from assistgen.universal import UniversalDrafter
+from assistgen.core.sampling import Sampler, verify_speculative
+from assistgen.core.sampling import verify_speculative as correct_verify
+from assistgen.drafters.assistant import AssistantDrafter
+from assistgen.drafters.early_exit import EarlyExitDrafter
+from assistgen.drafters.lookup import PromptLookupDrafter
+from assistgen.drafters.universal import UniversalDrafter
 
 TOLERANCE = 1e-5
 pytestmark = pytest.mark.usefixtures("one_thread")  # thousands of tiny-model forward passes
@@ -356,7 +355,7 @@ def test_lookup_proposal_is_exact(same_pair, k):
 
 def test_old_universal_stop_rule_is_caught(mixed_pair, monkeypatch):
     """Put back the draw-then-stop rule in UniversalDrafter: the exact check fails."""
-    import assistgen.universal as universal
+    import assistgen.drafters.universal as universal
 
     target, assistant = mixed_pair
     original = universal.UniversalDrafter._propose_sampled

@@ -15,15 +15,14 @@ import itertools
 
 import pytest
 import torch
-from broken_rules import broken_residual_from_p
-from conftest import char_tokenizer, tiny_llama
+from helpers import broken_residual_from_p, char_tokenizer, tiny_llama
 from scipy.stats import chisquare
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-import assistgen.engine
-import assistgen.sampling
+import assistgen.core.engine
+import assistgen.core.sampling
 from assistgen import Adaptive, Constant, generate
-from assistgen.models import Model
+from assistgen.backends.torch.model import Model
 
 SMALL = char_tokenizer("abcd")  # 7 tokens: <bos>, <eos>, <pad>, a..d
 PROMPT = SMALL("abcab")["input_ids"]
@@ -148,7 +147,7 @@ def test_adaptive_policy_sampling_is_lossless(models, drafter):
     """The cost-aware policy (cheap made-up costs: it drafts, trims and checks unverified tokens) stays lossless."""
     target, assistant = models
     kwargs = {"assistant": assistant} if drafter == "assistant" else {"lookup": True}
-    schedule = Adaptive(costs=[1.0 + 0.05 * k for k in range(17)], drafter_cost_prior=0.05)
+    schedule = Adaptive(curve=[1.0 + 0.05 * k for k in range(17)], drafter_cost_prior=0.05)
     counts, checks = sample(target, SAMPLES, schedule=schedule, temperature=1.0, **kwargs)
     assert_lossless(counts, checks, exact_distribution(target, temperature=1.0), positions=2, min_checks=50)
 
@@ -166,7 +165,7 @@ def broken_accept_if_likely(p, q, draft, sampler):
     for i, x in enumerate(draft):
         if float(p[i, x]) >= float(q[i, x]):
             continue
-        return i, sampler.draw(assistgen.sampling.residual(p[i], q[i], x))
+        return i, sampler.draw(assistgen.core.sampling.residual(p[i], q[i], x))
     return len(draft), sampler.draw(p[len(draft)])
 
 
@@ -174,20 +173,20 @@ def broken_later_positions(p, q, draft, sampler):
     """An indexing bug invisible at the first draft position: positions 2.. are judged against q's first row."""
     if q is not None and len(draft) > 1:
         q = q[:1].expand(len(draft), -1)
-    return assistgen.sampling.verify_speculative(p, q, draft, sampler)
+    return assistgen.core.sampling.verify_speculative(p, q, draft, sampler)
 
 
 @pytest.mark.parametrize("broken", [broken_residual_from_p, broken_accept_if_likely])
 def test_the_test_detects_a_broken_acceptance_rule(models, far_assistant, monkeypatch, broken):
     target, _ = models
-    monkeypatch.setattr(assistgen.engine, "verify_speculative", broken)
+    monkeypatch.setattr(assistgen.core.engine, "verify_speculative", broken)
     counts, _ = sample(target, SAMPLES, assistant=far_assistant, schedule=Constant(3), temperature=1.0)
     assert pair_pvalue(counts, exact_distribution(target, temperature=1.0)) < 0.001
 
 
 def test_the_test_detects_a_bug_beyond_the_first_draft_position(models, monkeypatch):
     target, assistant = models
-    monkeypatch.setattr(assistgen.engine, "verify_speculative", broken_later_positions)
+    monkeypatch.setattr(assistgen.core.engine, "verify_speculative", broken_later_positions)
     counts, checks = sample(target, SAMPLES, assistant=assistant, schedule=Constant(3), temperature=1.0)
     assert min(checks[:3]) >= 300
     assert pair_pvalue(counts, exact_distribution(target, temperature=1.0)) < 0.001
@@ -216,6 +215,6 @@ def test_a_tiny_temperature_gives_the_limit_distribution_not_nan(temperature):
 
     logits = torch.tensor([[1.0, 30.0, -2.0, 29.5], [0.0, -1.0, 3.0, float("-inf")]])  # [2, vocab]
     for top_k, top_p in ((0, 1.0), (2, 0.9)):
-        probs = assistgen.sampling.Sampler(GenerationConfig(temperature=temperature, top_k=top_k, top_p=top_p)).probs(
-            logits)
+        config = GenerationConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+        probs = assistgen.core.sampling.Sampler(config).probs(logits)
         assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]]))

@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from assistgen import generate
 from assistgen.api import default_schedule, make_drafter
-from assistgen.batching import BatchEngine, EngineSettings
-from assistgen.server import ServerSettings, create_app
+from assistgen.serving.batching import BatchEngine, EngineSettings
+from assistgen.serving.server import ServerSettings, create_app
 
 pytestmark = pytest.mark.integration
 
@@ -266,7 +266,7 @@ def test_the_command_serves_and_exits_0_on_sigterm(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "assistgen.cli", "serve", "--model", NAME, "--lookup", "--port", str(port)]
+    command = [sys.executable, "-m", "assistgen.cli.main", "serve", "--model", NAME, "--lookup", "--port", str(port)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import encode, hf_greedy, naive_greedy, tiny_gemma3, tiny_llama
+from helpers import encode, hf_greedy, naive_greedy, tiny_gemma3, tiny_llama
 
 from assistgen import generate
-from assistgen.cache import KVCache
-from assistgen.ragged import inner_attention, set_inner_attention
-from assistgen.transforms import (
+from assistgen.backends.torch.cache import KVCache
+from assistgen.backends.torch.ragged import inner_attention, set_inner_attention
+from assistgen.backends.torch.transforms import (
     SmallRowsLinear,
     _grouped_sdpa,
     applied_routes,
@@ -94,7 +94,7 @@ def test_a_deep_copy_packs_its_own_weights():
 
 
 def verification_logits(model, ids: list[int], context: int, n: int) -> torch.Tensor:
-    cache = KVCache(model.hf)
+    cache = KVCache(model)
     cache.feed(ids[:context], logits_to_keep=1)
     return cache.feed(ids[context : context + n], logits_to_keep=n)  # [n, vocab]
 

@@ -7,13 +7,11 @@ for each boundary case, and lossless speculative sampling across vocabularies (c
 from __future__ import annotations
 
 import pytest
-from conftest import hf_greedy
+from helpers import hf_greedy, small_tokenizer
 from mixed_tokenizers import HARD_TEXTS, byte_bpe, sentencepiece_bpe, tiny_model
-from tokenizers import Tokenizer, models
-from transformers import PreTrainedTokenizerFast
 
 from assistgen import Constant, generate
-from assistgen.universal import AssistantContext, TextBridge, VocabIntersection, strip_partial, token_bytes
+from assistgen.drafters.universal import AssistantContext, TextBridge, VocabIntersection, strip_partial, token_bytes
 
 PAIRS = {
     "bpe-target/sp-assistant": (byte_bpe, sentencepiece_bpe),
@@ -195,12 +193,6 @@ def test_universal_greedy_with_a_chat_template():
 
 
 # ---------------------------------------------------------------- lossless sampling across vocabularies
-
-
-def small_tokenizer(pieces: list[str], merges: list[tuple[str, str]]) -> PreTrainedTokenizerFast:
-    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>"] + pieces)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 @pytest.fixture(scope="module")

@@ -1,26 +1,21 @@
-"""assistgen: exact assisted (speculative) generation for Hugging Face causal language models."""
+"""assistgen: exact assisted (speculative) generation for causal language models, behind one backend seam."""
 
-from assistgen.api import Generation, generate, stream
+from assistgen.api import Generation, generate, load_model, prepare, stream
+from assistgen.backends.torch.loading import ModelLoadError
+from assistgen.backends.torch.model import Model
 from assistgen.config import ConfigError, GenerationConfig
-from assistgen.drafters import (
-    AssistantDrafter,
-    CompositeDrafter,
-    Draft,
-    Drafter,
-    NoDrafter,
-    PromptLookupDrafter,
-    TokenizerMismatchError,
-)
-from assistgen.early_exit import EarlyExitDrafter
-from assistgen.models import Model, ModelLoadError, load_model
-from assistgen.ngram import NGramCache, NGramCacheDrafter
-from assistgen.schedules import Adaptive, Constant, Heuristic, confidence
+from assistgen.drafters.assistant import AssistantDrafter, TokenizerMismatchError
+from assistgen.drafters.base import CompositeDrafter, Draft, Drafter, NoDrafter
+from assistgen.drafters.early_exit import EarlyExitDrafter
+from assistgen.drafters.lookup import PromptLookupDrafter
+from assistgen.drafters.ngram import NGramCache, NGramCacheDrafter
+from assistgen.drafters.universal import UniversalDrafter
+from assistgen.policy.schedules import Adaptive, Constant, Heuristic, confidence
 from assistgen.stats import Stats
-from assistgen.universal import UniversalDrafter
 
 __all__ = [
     "Adaptive", "AssistantDrafter", "CompositeDrafter", "ConfigError", "Constant", "Draft", "Drafter",
     "EarlyExitDrafter", "Generation", "GenerationConfig", "Heuristic", "Model", "ModelLoadError", "NGramCache",
     "NGramCacheDrafter", "NoDrafter", "PromptLookupDrafter", "Stats", "TokenizerMismatchError", "UniversalDrafter",
-    "confidence", "generate", "load_model", "stream",
+    "confidence", "generate", "load_model", "prepare", "stream",
 ]

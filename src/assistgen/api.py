@@ -1,9 +1,13 @@
-"""The public API: `generate()` and `stream()`, thin wrappers around the one loop in `engine.py`.
+"""The public API: `load_model`, `prepare`, `generate()` and `stream()`, thin wrappers around the one loop in
+`core/engine.py`.
 
 Contract: turns user-facing arguments (model names or objects, a prompt string or token ids, an
-assistant, sampling settings) into a target `Model`, a drafter, a schedule and a
-`GenerationConfig`, checks them, and runs `engine.stream`. Bad input raises an `AssistgenError`
-subclass whose message says what is wrong and how to fix it.
+assistant, sampling settings) into a target model (`backends.base.LanguageModel`), a drafter, a schedule
+and a `GenerationConfig`, checks them, and runs `engine.stream`. Bad input raises `ConfigError` or
+`ModelLoadError` (ValueErrors) whose message says what is wrong and how to fix it. Getting a model
+ready is two explicit steps: loading (`backends.torch.loading.load`, which quantizes when asked) and
+`prepare(model)` (the backend's optimization transforms, then the policy's cost measurements, kept in
+the model's own `costs` field); `load_model` runs both, as the CLI, the server and the bench do.
 """
 
 from __future__ import annotations
@@ -13,23 +17,23 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
+from assistgen.backends.base import LanguageModel
+from assistgen.backends.torch.loading import load
+from assistgen.backends.torch.transforms import optimize
 from assistgen.config import ConfigError, GenerationConfig
-from assistgen.drafters import (
-    AssistantDrafter,
-    CompositeDrafter,
-    Drafter,
-    NoDrafter,
-    PromptLookupDrafter,
-    same_tokenizer,
-)
-from assistgen.engine import Chunk
-from assistgen.engine import stream as run_loop
-from assistgen.models import Model, load_model
-from assistgen.ngram import NGramCache, NGramCacheDrafter, cache_for, shared_cache
-from assistgen.schedules import Adaptive, Schedule, parse_schedule
+from assistgen.core.engine import Chunk
+from assistgen.core.engine import stream as run_loop
+from assistgen.drafters.assistant import AssistantDrafter, same_tokenizer
+from assistgen.drafters.base import CompositeDrafter, Drafter, NoDrafter
+from assistgen.drafters.early_exit import EarlyExitDrafter
+from assistgen.drafters.lookup import PromptLookupDrafter
+from assistgen.drafters.ngram import NGramCache, NGramCacheDrafter, cache_for, shared_cache
+from assistgen.drafters.universal import UniversalDrafter
+from assistgen.policy.costs import calibrate
+from assistgen.policy.schedules import Adaptive, Schedule, parse_schedule
 from assistgen.stats import Stats
-from assistgen.universal import UniversalDrafter
 
+Model = LanguageModel  # what the API takes: any backend's model
 
 @dataclass
 class Generation:
@@ -40,8 +44,28 @@ class Generation:
     stats: Stats
 
 
-def as_model(model: Model | str) -> Model:
-    return model if isinstance(model, Model) else load_model(model)
+def load_model(spec: str, dtype=None, device="cpu", fast_linear: bool | str = "auto", quantize: str | None = None):
+    """Load `spec` (an embedded alias, a `.gguf` file, a local model folder or a hub id; `device`, `dtype` and
+    `quantize` as `backends.torch.loading.load` takes them), then `prepare` it unless `fast_linear` is False."""
+    import torch
+
+    model = load(spec, dtype=dtype if dtype is not None else torch.float32, device=device, quantize=quantize)
+    if fast_linear:
+        prepare(model, fast_linear)
+    return model
+
+
+def prepare(model, fast_linear: bool | str = "auto", refresh: bool = False):
+    """The explicit step after loading: the backend's optimization transforms (attention variant, and on the CPU
+    the small-row linear routes, only where they measure faster with "auto"), then the policy's cost curve,
+    measured once per machine (cached on disk) so that no request pays for it. Returns the model."""
+    optimize(model, mode="auto" if fast_linear == "auto" else "on", refresh=refresh)
+    calibrate(model, refresh=refresh)
+    return model
+
+
+def as_model(model) -> LanguageModel:
+    return load_model(model) if isinstance(model, str) else model
 
 
 def encode_prompt(model: Model, prompt: str | list[int], chat: bool = False) -> list[int]:
@@ -94,8 +118,6 @@ def make_drafter(
     if cache is not None:
         parts.append(NGramCacheDrafter(cache))
     if early_exit:
-        from assistgen.early_exit import EarlyExitDrafter
-
         layers = None if early_exit is True else int(early_exit)
         try:
             parts.append(EarlyExitDrafter(target, layers=layers))
@@ -126,13 +148,14 @@ def ngram_cache_of(ngram_cache) -> NGramCache | None:
 
 
 def model_drafter(target: Model, assistant: Model | str | Drafter) -> Drafter:
-    if hasattr(assistant, "propose") and hasattr(assistant, "observe"):
-        needed = ("finish", "report", "name", "context_length", "model", "acceptance_prior")
+    if hasattr(assistant, "propose"):  # a drafter object, not a model
+        needed = ("observe", "finish", "report", "name", "context_length", "model", "acceptance_prior")
         missing = [m for m in needed if not hasattr(assistant, m)]
         if missing:
             raise ConfigError(f"The drafter {type(assistant).__name__} lacks {', '.join(missing)}: a drafter "
-                              "implements propose, observe, finish, report, name, context_length, model (None "
-                              "without one) and acceptance_prior (None without one) (drafters.py).")
+                              "implements propose, name, context_length, model (None without one) and "
+                              "acceptance_prior (None without one), and observe, finish and report, which "
+                              "subclassing assistgen.Drafter gives it (drafters/base.py).")
         return assistant
     assistant = as_model(assistant)
     if same_tokenizer(target, assistant):
@@ -140,7 +163,7 @@ def model_drafter(target: Model, assistant: Model | str | Drafter) -> Drafter:
     return UniversalDrafter(assistant, target)  # different tokenizers: translate through text
 
 
-def default_schedule(drafter: Drafter | None = None):
+def default_schedule() -> Schedule:
     """The cost-aware policy: k (0 included) chosen before every step from measured costs and acceptance."""
     return Adaptive()
 
@@ -180,7 +203,7 @@ def stream(
     target = as_model(model)
     prompt_ids = encode_prompt(target, prompt, chat)
     drafter = make_drafter(target, assistant, lookup, early_exit, ngram_cache)
-    schedule = as_schedule(schedule) if schedule is not None else default_schedule(drafter)
+    schedule = as_schedule(schedule) if schedule is not None else default_schedule()
     yield from run_loop(target, prompt_ids, drafter, schedule, config)
 
 
@@ -193,7 +216,7 @@ def as_schedule(schedule) -> Schedule:
         except ValueError as e:
             raise ConfigError(str(e)) from e
     if not callable(getattr(schedule, "prepare", None)):
-        raise ConfigError(f"schedule must be a schedule object (assistgen.schedules) or a string such as "
+        raise ConfigError(f"schedule must be a schedule object (assistgen.policy.schedules) or a string such as "
                           f"'constant:4' or 'adaptive', got {type(schedule).__name__}.")
     return schedule
 

@@ -61,12 +61,6 @@ class Stats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
 
-    def as_dict(self) -> dict:
-        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        for k in ("acceptance_rate", "mean_accepted_length", "other_s", "tokens_per_second"):
-            out[k] = getattr(self, k)
-        return out
-
     def summary(self) -> str:
         lines = [
             f"mode {self.mode}; finish: {self.finish_reason}",

@@ -8,7 +8,7 @@ import pytest
 
 from assistgen import generate, load_model
 from assistgen.api import encode_prompt
-from assistgen.quantize import QuantizedLinear, row_independent
+from assistgen.backends.torch.quantize import QuantizedLinear, row_independent
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation.",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from assistgen.gain import MAX_K, best_lookahead, expected_tokens, step_cost
+from assistgen.policy.gain import MAX_K, best_lookahead, expected_tokens, step_cost
 
 OVERALL = "overall"
 

@@ -7,8 +7,9 @@ policy), or `hf-plain`, `hf-lookup`, `hf-assistant` (transformers' `generate()` 
 unmodified model: prompt_lookup_num_tokens=10, assistant_model=..., and universal assisted
 generation with tokenizer=/assistant_tokenizer= when the tokenizers differ). For each prompt and
 temperature every method runs once, one after the other (A B C, A B C, ...; `repeats` times over),
-so drift on a noisy machine hits all alike. Runs are timed with `timing.clock` on the target's
-device (a GPU is synchronized before the clock is read), on inputs made there. Each run becomes
+so drift on a noisy machine hits all alike. Runs are timed with the target's clock (`LanguageModel.clock`:
+a GPU is synchronized before it is read); transformers' methods run through the torch backend's
+reference (`backends/torch/reference.py`). Each run becomes
 one record (a dict) appended to the results file at once; a rerun with the same file skips the
 records already there. The n-gram cache learns across prompts in the order they run, but never
 from an earlier run of the same prompt: each run drafts from a copy of what the previous prompts
@@ -23,16 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from assistgen.api import encode_prompt, generate
+from assistgen.backends.base import LanguageModel
+from assistgen.backends.torch.reference import ForwardCounter, hf_generate
 from assistgen.bench.dataset import Prompt
-from assistgen.devices import model_device
-from assistgen.drafters import same_tokenizer
-from assistgen.models import Model
-from assistgen.schedules import parse_schedule
-from assistgen.timing import clock
-from assistgen.transforms import untransformed
+from assistgen.drafters.assistant import same_tokenizer
+from assistgen.drafters.ngram import NGramCache
+from assistgen.policy.schedules import parse_schedule
 
 SOURCES = ("lookup", "ngram", "assistant", "early-exit")
 HF_METHODS = ("plain", "lookup", "assistant")
@@ -76,35 +74,19 @@ def parse_method(spec: str) -> Method:
     return Method(spec.strip(), engine, drafter, schedule or None)
 
 
-class ForwardCounter:
-    """Counts top-level forward calls of a module."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.count = 0
-        self.handle = module.register_forward_pre_hook(self._hook)
-
-    def _hook(self, *args) -> None:
-        self.count += 1
-
-    def close(self) -> None:
-        self.handle.remove()
-
-
 @dataclass
 class Runner:
-    target: Model
-    assistant: Model | None = None
+    target: LanguageModel
+    assistant: LanguageModel | None = None
     max_new_tokens: int = 128
     chat: bool = False
     turn: int = 1
     seed: int = 0
     # transformers' methods run on these when given (the unquantized models of a quantized run)
-    hf_target: Model | None = None
-    hf_assistant: Model | None = None
+    hf_target: LanguageModel | None = None
+    hf_assistant: LanguageModel | None = None
 
     def __post_init__(self):
-        from assistgen.ngram import NGramCache
-
         self.ngram_cache = NGramCache()  # what the prompts run so far taught the n-gram drafter
 
     def learn(self, ids: list[int], tokens: list[int]) -> None:
@@ -127,7 +109,7 @@ class Runner:
         target, assistant = self.target, self.assistant
         if method.engine == "hf":
             target, assistant = self.hf_target or target, self.hf_assistant or assistant
-        counters = [ForwardCounter(target.hf)] + ([ForwardCounter(assistant.hf)] if assistant else [])
+        counters = [ForwardCounter(target)] + ([ForwardCounter(assistant)] if assistant else [])
         try:
             run = self._run_hf if method.engine == "hf" else self._run_ours
             record = run(method, ids, temperature, max_new_tokens)
@@ -145,11 +127,10 @@ class Runner:
                   "ngram_cache": self.ngram_cache.copy() if "ngram" in method.sources else False}
         if method.schedule:
             kwargs["schedule"] = parse_schedule(method.schedule)
-        device = model_device(self.target)
-        start = clock(device)
+        start = self.target.clock()
         out = generate(self.target, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=self.seed,
                        **kwargs)
-        seconds = clock(device) - start
+        seconds = self.target.clock() - start
         s = out.stats
         return {"tokens": out.token_ids, "seconds": seconds, "mode": s.mode, "steps": s.steps,
                 "drafted": s.drafted_tokens, "accepted": s.accepted_tokens, "draft_s": s.draft_s,
@@ -158,28 +139,12 @@ class Runner:
 
     def _run_hf(self, method, ids, temperature, max_new_tokens) -> dict:
         target, assistant = self.hf_target or self.target, self.hf_assistant or self.assistant
-        kwargs: dict = {"max_new_tokens": max_new_tokens}
-        if temperature > 0:
-            kwargs.update(do_sample=True, temperature=temperature, top_k=0)
-        else:
-            kwargs.update(do_sample=False)
-        if method.drafter == "lookup":
-            kwargs["prompt_lookup_num_tokens"] = HF_LOOKUP_TOKENS
-        if method.drafter == "assistant":
-            kwargs["assistant_model"] = assistant.hf
-            if not same_tokenizer(target, assistant):
-                kwargs.update(tokenizer=target.tokenizer, assistant_tokenizer=assistant.tokenizer)
-        models = [target.hf] + ([assistant.hf] if method.drafter == "assistant" else [])
-        device = model_device(target)
-        inputs = torch.tensor([ids], device=device)  # [1, n]
-        with untransformed(*models):
-            torch.manual_seed(self.seed)  # seeds the CPU and every GPU
-            start = clock(device)
-            out = target.hf.generate(inputs, attention_mask=torch.ones_like(inputs),
-                                     pad_token_id=target.tokenizer.pad_token_id
-                                     or (target.eos_token_ids or (0,))[0], **kwargs)
-            seconds = clock(device) - start
-        return {"tokens": out[0, len(ids):].tolist(), "seconds": seconds, "mode": method.spec}
+        helper = assistant if method.drafter == "assistant" else None
+        tokens, seconds = hf_generate(target, ids, max_new_tokens, assistant=helper,
+                                      universal=helper is not None and not same_tokenizer(target, helper),
+                                      lookup_tokens=HF_LOOKUP_TOKENS if method.drafter == "lookup" else None,
+                                      temperature=temperature, seed=self.seed)
+        return {"tokens": tokens, "seconds": seconds, "mode": method.spec}
 
 
 def load_done(path: Path | None) -> dict[str, dict]:

@@ -1,0 +1,109 @@
+"""The backend seam: what the generation loop, the drafters and the policy need from a model.
+
+Contract: a backend model (`LanguageModel`) computes next-token logits for token ids and keeps the
+keys and values of the sequences it has read in caches (`Cache`) whose verbs are the only way the
+layers above it touch a forward pass:
+    model.new_cache() -> Cache        an empty cache of this model;
+    model.feed_together(feeds)        one forward pass over (cache, new ids, logits to keep) of several
+                                      caches of this model, each sequence attending only to its own
+                                      positions; returns each cache's logits [keep, vocab] float32 torch
+                                      tensors on `model.device`, in order;
+    cache.feed(ids, keep) / crop(n) / fork() / len(cache) / cache.tokens / cache.sync(ids)
+plus what decoding needs to know: `name`, `tokenizer` (a Hugging Face-style tokenizer: `__call__`,
+`decode`, `get_vocab`, `convert_ids_to_tokens`, `apply_chat_template`), `vocab_size` (the width of the
+logits), `eos_token_ids`, `context_length` (None when unbounded), `device` (where logits, and the
+tensors made from them, live), `weight_bytes` (what a forward pass reads, for the policy's cost prior),
+`clock()` (seconds on a monotonic clock once the device's queued work is done: every timing above the
+seam goes through it) and `fingerprint(*extra)` (a stable key of the model, its set-up and this machine,
+under which measurements are cached on disk; `cache_key` None: measurements live in memory only).
+`costs` is the field in which the policy keeps what it measured of the model (`policy.costs`); the
+backend never reads it.
+
+Capabilities a backend may lack are declared in `capabilities`, never discovered by `hasattr`:
+`first_layers` (it can run its first N decoder layers as a model of its own, sharing the weights:
+`truncated(n)`, `exit_agreement(ids, positions)` and `layer_costs()`, which early exit needs).
+Layers above this module see a model only through this interface; the PyTorch code lives below it
+(`backends/torch/`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+MAX_K = 16  # the most draft tokens one verification step feeds (1 + MAX_K rows): the policy's and the kernels' bound
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    first_layers: bool = False  # truncated(n), exit_agreement, layer_costs: the target's own first layers draft
+
+
+class Cache(Protocol):
+    """One sequence's keys and values in one model; `tokens` are the ids it holds, `len(cache)` their count."""
+
+    tokens: list[int]
+
+    def __len__(self) -> int: ...
+
+    def feed(self, ids: list[int], logits_to_keep: int = 1) -> torch.Tensor: ...  # [keep, vocab]
+
+    def crop(self, length: int) -> None: ...
+
+    def fork(self) -> Cache: ...
+
+    def sync(self, ids: list[int], keep_last: int = 1) -> list[int]: ...
+
+
+Feed = tuple[Cache, list[int], int]  # (cache, new token ids, how many of the last rows' logits to keep)
+
+
+class LanguageModel(Protocol):
+    name: str
+    tokenizer: Any
+    cache_key: str | None
+    costs: Any  # the policy's measurements of this model (`policy.costs.PassCosts`), None until measured
+    capabilities: Capabilities
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def context_length(self) -> int | None: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def weight_bytes(self) -> int: ...
+
+    def new_cache(self) -> Cache: ...
+
+    def feed_together(self, feeds: list[Feed]) -> list[torch.Tensor]: ...
+
+    def clock(self) -> float: ...
+
+    def fingerprint(self, *extra: str) -> str: ...
+
+    # capabilities.first_layers
+    def truncated(self, layers: int) -> LanguageModel: ...
+
+    def exit_agreement(self, ids: list[int], positions: int | None) -> list[float]: ...
+
+    def layer_costs(self) -> list[float]: ...
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share; one list comparison in the usual case (b extends a)."""
+    if len(b) >= len(a) and b[: len(a)] == a:
+        return len(a)
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

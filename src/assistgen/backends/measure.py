@@ -1,0 +1,55 @@
+"""Timing a model's forward passes through the seam: what route tuning and the cost model both measure.
+
+Contract: `step_times(model)` returns the seconds of one forward pass over n = 1..max_k+1 new tokens (or
+each n of `rows`) after a short random context, the best of a few rounds taken round-robin
+(`best_of_rounds`: a burst of noise then spoils one round of each row count, not every round of one);
+`random_context` makes the random ids. It uses only `backends.base` verbs (`new_cache`, `feed`, `crop`,
+`clock`), so it times any backend; it knows nothing about policies or routes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from assistgen.backends.base import MAX_K
+
+
+@torch.inference_mode()
+def step_times(model, max_k: int = MAX_K, context: int = 128, repeats: int = 3,
+               rows: list[int] | None = None) -> list[float]:
+    """Seconds of one forward over n new tokens after `context` tokens, for n = 1..max_k+1 (or each n in `rows`)."""
+    rows = list(rows) if rows is not None else list(range(1, max_k + 2))
+    ids, context = random_context(model, context, max(rows), seed=0)
+    cache = model.new_cache()
+    cache.feed(ids[:context])
+
+    def run(n: int) -> float:
+        start = model.clock()
+        cache.feed(ids[context : context + n], logits_to_keep=n)
+        elapsed = model.clock() - start
+        cache.crop(context)
+        return elapsed
+
+    return best_of_rounds([lambda n=n: run(n) for n in rows], repeats)
+
+
+def random_context(model, context: int, new: int, seed: int) -> tuple[list[int], int]:
+    """Random token ids for timing: `context` tokens (fewer where the model's context length needs it) followed by
+    `new` more; returns (ids, the context length used)."""
+    vocab = min(model.vocab_size, len(model.tokenizer))
+    limit = model.context_length or context + new + 1
+    context = max(1, min(context, limit - new - 1))
+    ids = torch.randint(3, vocab, (context + new,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return ids, context
+
+
+def best_of_rounds(runs: list, repeats: int) -> list[float]:
+    """Each timed run's best of `repeats` rounds, taken round-robin over the runs, after a warm-up round.
+    runs: callables returning seconds."""
+    best = [float("inf")] * len(runs)
+    for round_ in range(repeats + 1):
+        for i, run in enumerate(runs):
+            elapsed = run()
+            if round_:
+                best[i] = min(best[i], elapsed)
+    return best

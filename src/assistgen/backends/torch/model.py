@@ -1,0 +1,118 @@
+"""The torch backend's model: a Hugging Face causal LM behind the seam of `backends.base`.
+
+Contract: `Model(hf, tokenizer, name)` wraps a loaded module in eval mode and implements
+`backends.base.LanguageModel`: `new_cache()` gives a `KVCache` (preallocated keys and values written by
+position, `ragged.py`), `feed_together` runs one ragged forward pass over several caches, `clock()` waits
+for the model's device, `fingerprint()` keys measurements by the model, this machine and the model's set-up
+(quantization, linear routes, attention, KV layout). What loading and the transforms decide about the
+model is kept in its own fields (`quantization`, `quantized_layers`, `routes`), and what the policy
+measures in `costs`; nothing is stashed on the Hugging Face module. The first-layers capability
+(`truncated`, `exit_agreement`, `layer_costs`) is declared for models whose decoder layers `layers.py`
+can find.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from assistgen.backends.base import Capabilities, Feed
+from assistgen.backends.torch import layers
+from assistgen.backends.torch.cache import KVCache, feed_together
+from assistgen.backends.torch.devices import model_device
+from assistgen.backends.torch.timing import clock, measurement_key
+
+
+@dataclass(eq=False)
+class Model:
+    """A loaded causal LM: the Hugging Face module, its tokenizer and what decoding needs to know."""
+
+    hf: torch.nn.Module
+    tokenizer: Any
+    name: str
+    cache_key: str | None = None  # stable identity (alias, path, hub id) for on-disk measurements; None: in-memory
+    quantization: str | None = None  # "int8" | "int4" when loading quantized it
+    quantized_layers: dict | None = None  # {module name: spec} of the quantized modules (what save_quantized writes)
+    routes: dict | None = None  # the small-row linear routes' record (`transforms.tune_routes`), when applied
+    costs: Any = None  # the policy's measurements (`policy.costs.PassCosts`); the backend never reads it
+    capabilities: Capabilities = field(init=False)
+
+    def __post_init__(self):
+        self.capabilities = Capabilities(first_layers=layers.has_decoder_layers(self.hf))
+
+    @property
+    def config(self):
+        return self.hf.config
+
+    @property
+    def context_length(self) -> int | None:
+        text = self.hf.config.get_text_config(decoder=True)
+        for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+            value = getattr(text, key, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the logits (the output embedding may be padded past the tokenizer)."""
+        return self.hf.get_output_embeddings().weight.shape[0]
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """EOS ids as transformers' generate() uses them: generation config, else model config, else tokenizer."""
+        for source in (getattr(self.hf, "generation_config", None), self.hf.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            if value is not None:
+                return tuple(int(i) for i in (value if isinstance(value, (list, tuple)) else [value]))
+        return ()
+
+    @property
+    def device(self) -> torch.device:
+        return model_device(self.hf)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hf.dtype
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of parameters and buffers (quantized weights are buffers, so they count as what they are)."""
+        return sum(t.numel() * t.element_size() for t in (*self.hf.parameters(), *self.hf.buffers()))
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self)
+
+    def feed_together(self, feeds: list[Feed]) -> list[torch.Tensor]:
+        return feed_together(feeds)
+
+    def clock(self) -> float:
+        return clock(self.device)
+
+    def set_up(self) -> tuple[str, ...]:
+        """What timings depend on beyond the model and machine: quantization, linear routes, attention, KV layout."""
+        from assistgen.backends.torch.transforms import applied_routes, grouped_attention_applied
+
+        padded = self.routes.get("padded") if self.routes else None
+        return (f"quantization={self.quantization}", f"routes={applied_routes(self.hf)}|{padded}",
+                f"attention={grouped_attention_applied(self.hf)}", "kv=ragged")
+
+    def fingerprint(self, *extra: str) -> str:
+        return measurement_key(self, *self.set_up(), *extra)
+
+    # --- capabilities.first_layers ------------------------------------------------------------------------
+
+    def truncated(self, n: int) -> Model:
+        """The first `n` decoder layers + the final norm and head, sharing every weight (its own config)."""
+        model = Model(layers.truncated_module(self.hf, n, self.name), self.tokenizer, f"{self.name}[:{n}]")
+        if self.cache_key:  # on-disk measurements (costs) must not mix the two models
+            model.cache_key = f"{self.cache_key}[:{n}]"
+        return model
+
+    def exit_agreement(self, ids: list[int], positions: int | None) -> list[float]:
+        return layers.exit_agreement(self.hf, ids, positions)
+
+    def layer_costs(self) -> list[float]:
+        return layers.layer_costs(self.hf)

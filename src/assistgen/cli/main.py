@@ -1,0 +1,204 @@
+"""Command line: `assistgen generate`, `models`, `calibrate`, `bench`, `demo` and `serve` (an OpenAI-compatible server).
+
+Contract: parses arguments into the API's objects (no defaults re-declared here: unset options are
+simply not passed; shared options in `options.py`) and prints. Errors from bad input are printed as one
+line, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from assistgen.api import load_model, stream
+from assistgen.backends.torch.loading import EMBEDDED, ModelLoadError, converted_dir, is_cached, is_installed
+from assistgen.bench.dataset import DatasetError
+from assistgen.cli.options import add_placement, add_quantize, loading, placement, settings_from
+from assistgen.config import ConfigError
+from assistgen.policy.schedules import parse_schedule
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="assistgen", description="Exact assisted generation for causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text, streaming it, then print statistics")
+    gen.add_argument("prompt", help="the prompt text ('-' reads it from standard input)")
+    gen.add_argument("--model", "-m", default="smollm2-135m", help="alias, hub id, local folder or .gguf file")
+    gen.add_argument("--lookup", action="store_true", help="prompt-lookup drafting (no second model)")
+    gen.add_argument("--ngram-cache", action="store_true",
+                     help="draft from n-grams of earlier requests in this process, and of this one")
+    drafter = gen.add_mutually_exclusive_group()
+    drafter.add_argument("--assistant", "-a",
+                         help="assistant model (any tokenizer: a different one switches to universal mode)")
+    drafter.add_argument("--early-exit", nargs="?", const=True, type=int, metavar="LAYERS",
+                         help="self-drafting with the target's first LAYERS layers (chosen by calibration if omitted)")
+    gen.add_argument("--schedule", type=parse_schedule,
+                     help="adaptive[:MAX_K] (default: cost-aware, k may be 0) | constant:K | heuristic | "
+                          "confidence:K:T")
+    gen.add_argument("--max-new-tokens", type=int)
+    gen.add_argument("--temperature", type=float, help="0 (default) is greedy")
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--no-fast-linear", action="store_true", help="keep PyTorch's own linear layers")
+    add_quantize(gen)
+    add_placement(gen)
+    gen.add_argument("--quiet-stats", action="store_true", help="do not print statistics")
+
+    sub.add_parser("models", help="list the embedded model aliases and whether each is converted")
+
+    cal = sub.add_parser("calibrate", help="show (or measure again) a model's verification costs and linear routes")
+    cal.add_argument("--model", "-m", default="smollm2-135m", help="alias, hub id, local folder or .gguf file")
+    cal.add_argument("--refresh", action="store_true", help="measure again instead of reading the cached figures")
+    add_quantize(cal)
+    add_placement(cal)
+
+    from assistgen.cli.bench import add_arguments
+
+    add_arguments(sub.add_parser("bench", help="latency tables on a prompt set, side by side with transformers"))
+
+    demo = sub.add_parser("demo", help="plain vs assisted decoding on an embedded model, side by side")
+    demo.add_argument("--model", default=None)
+    demo.add_argument("--max-new-tokens", type=int, default=None)
+
+    add_serve(sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)"))
+    return parser
+
+
+def add_serve(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default="smollm2-135m", help="alias, hub id, local folder or .gguf file")
+    p.add_argument("--lookup", action="store_true", help="prompt-lookup drafting (no second model)")
+    p.add_argument("--ngram-cache", action="store_true",
+                   help="draft from n-grams of earlier requests with the same API key (never across keys)")
+    drafter = p.add_mutually_exclusive_group()
+    drafter.add_argument("--assistant", "-a", help="assistant model (any tokenizer), shared by all requests")
+    drafter.add_argument("--early-exit", nargs="?", const=True, type=int, metavar="LAYERS",
+                         help="self-drafting with the target's first LAYERS layers")
+    p.add_argument("--schedule", type=parse_schedule, help="as for generate (default: cost-aware adaptive)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--max-batch", type=int, help="requests generated together")
+    p.add_argument("--max-queue", type=int, help="requests waiting to join; more are answered 429")
+    p.add_argument("--prefill-budget", type=int,
+                   help="prompt tokens fed per step over all joining requests, beside the running streams' rows")
+    add_quantize(p)
+    add_placement(p)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    target = load_model(args.model, **loading(args))
+    assistant = load_model(args.assistant, **loading(args)) if args.assistant else None
+    last = None
+    for chunk in stream(target, prompt, assistant=assistant, lookup=args.lookup, schedule=args.schedule,
+                        chat=args.chat, early_exit=args.early_exit or False, ngram_cache=args.ngram_cache,
+                        **settings_from(args)):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        last = chunk
+    sys.stdout.write("\n")
+    if not args.quiet_stats:
+        print("\n--- statistics ---", file=sys.stderr)
+        print(last.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from assistgen.backends.torch.quantize import SCHEMES, is_saved
+    from assistgen.paths import cache_root
+
+    print(f"{'alias':<20}{'installed':<11}{'converted':<11}{'quantized':<11}description")
+    for alias, entry in EMBEDDED.items():
+        installed = "yes" if is_installed(entry) else "no"
+        quantized = ",".join(s for s in SCHEMES if is_saved(cache_root() / "quantized" / f"{alias}-{s}")) or "-"
+        print(f"{alias:<20}{installed:<11}{'yes' if is_cached(alias) else 'no':<11}{quantized:<11}{entry.description}")
+        if installed == "no":
+            print(f"{'':<20}install: {entry.install}")
+    print(f"\nconverted models live in {converted_dir('').parent} (set ASSISTGEN_CACHE to move it)")
+    print("also accepted: a Hugging Face hub id, a local model folder, or a path to a .gguf file")
+    return 0
+
+
+def runs(values: list, start: int) -> list[tuple[int, int, object]]:
+    """[(first index, last index, value)] for each run of equal values, indices counted from `start`."""
+    out: list[list] = []
+    for i, v in enumerate(values, start):
+        if out and out[-1][2] == v:
+            out[-1][1] = i
+        else:
+            out.append([i, i, v])
+    return [tuple(r) for r in out]
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from assistgen.api import prepare
+    from assistgen.backends.torch.loading import load
+    from assistgen.backends.torch.transforms import routes_path
+    from assistgen.policy.costs import costs_path
+
+    model = prepare(load(args.model, quantize=args.quantize, **placement(args)), refresh=args.refresh)
+    routes, record = model.routes, model.costs.record
+    costs = record["verification_costs"]
+    print(f"{model.name}: cost of verifying k draft tokens relative to one plain step, v(k) = t(k+1)/t(1)")
+    print("  " + " ".join(f"k={k}:{v:.2f}" for k, v in enumerate(costs)))
+    if routes:
+        groups = runs(routes["routes"][1:], start=1)
+        print("linear route by rows: " + ", ".join(f"{a}-{b}: {route}" for a, b, route in groups))
+        padded = [f"{n}->{p}" for n, p in enumerate(routes["padded"]) if p != n]
+        print("rows run padded: " + (", ".join(padded) if padded else "none"))
+        print(f"routes measured {routes.get('measured', '?')}; cached in {routes_path(model)}")
+    print(f"costs measured {record.get('measured', '?')}; cached in {costs_path(model)}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Load the model(s), build the batched engine and serve it until SIGINT/SIGTERM (0 after a clean stop)."""
+    from functools import partial
+
+    from assistgen.api import as_schedule, default_schedule, make_drafter
+    from assistgen.serving.batching import BatchEngine, EngineSettings
+    from assistgen.serving.server import ServerSettings, serve
+
+    target = load_model(args.model, **loading(args))
+    assistant = load_model(args.assistant, **loading(args)) if args.assistant else None
+    drafters = partial(make_drafter, target, assistant, args.lookup, args.early_exit or False)
+    drafters()  # bad drafter options fail here, before the server starts
+    schedule = as_schedule(args.schedule) if args.schedule is not None else default_schedule()
+    given = {n: getattr(args, n) for n in ("max_batch", "max_queue", "prefill_budget") if getattr(args, n) is not None}
+    engine = BatchEngine(target, drafters, schedule, EngineSettings(**given))
+    settings = ServerSettings(model_name=args.model, ngram_cache=args.ngram_cache)
+    return serve(engine, settings, args.host, args.port, drafters)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "models":
+            return cmd_models(args)
+        if args.command == "calibrate":
+            return cmd_calibrate(args)
+        if args.command == "bench":
+            from assistgen.cli.bench import run_command
+
+            return run_command(args)
+        if args.command == "demo":
+            from assistgen.cli.demo import run_demo
+
+            return run_demo(args.model, args.max_new_tokens)
+        if args.command == "serve":
+            return cmd_serve(args)
+    except (ConfigError, ModelLoadError, DatasetError, ValueError) as e:
+        print(f"assistgen: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""The one generation loop: prefill -> draft -> verify -> accept -> roll back -> emit, over a batch.
+
+Contract: `step(states)` advances every running `GenerationState` (one generation each, made by `begin`)
+by one target forward pass over all their rows together: a joining generation's next prompt chunk
+(prefill), and for each decoding one its last token plus the draft it verifies (`feed_together` of the
+backend seam: each sequence attends only to its own positions). It returns one `Chunk` per generation
+(None for one still prefilling). `stream()` is a generator of `Chunk`s for one generation: the same
+`step` over a batch of one. Every way of generating in assistgen (plain decoding, every drafter, the
+batch API, the CLI, the server's `serving.batching.BatchEngine`, the benchmarks) goes through `step`;
+plain decoding is the loop with a drafter that proposes nothing. The target's cache always holds the
+sequence minus its last token, so one verification feeds [last token, d_1 .. d_k] and reads k+1
+next-token distributions. Greedy output equals the target's own greedy decoding; sampled output
+follows the target's distribution (see `sampling.py`), each generation with its own sampler. How many
+of each draft to verify is decided for the whole step by the one optimizer, `gain.lookahead`, from
+the schedules' acceptance estimates and the measured cost of the step's rows (`costs.PassCosts`), for
+one generation or many alike, so drafting never costs the step more than it brings. The loop sees the
+target only through `backends.base` (cache verbs, `clock`, vocabulary, EOS, context length): it never
+knows which library computes the logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from assistgen.backends.base import Cache, LanguageModel
+from assistgen.config import ConfigError, GenerationConfig
+from assistgen.core.sampling import Sampler, verify_greedy, verify_speculative
+from assistgen.core.text import TextStream
+from assistgen.drafters.base import Drafter, Proposal, drafters_of, first_draft
+from assistgen.policy.costs import PassCosts
+from assistgen.policy.schedules import Schedule, ScheduleRun, StepOutcome, verified_lengths
+from assistgen.stats import Stats
+
+
+@dataclass
+class Chunk:
+    tokens: list[int]  # token ids emitted by this step
+    text: str  # text that became safe to show with this step
+    finish_reason: str | None = None  # set on the last chunk: length | eos | stop | context (| cancelled | error)
+    stats: Stats | None = None  # the generation's statistics, live; final on the last chunk
+
+
+@dataclass
+class GenerationState:
+    """One generation between steps: its ids, cache, drafters, schedule run, sampler and statistics."""
+
+    target: LanguageModel
+    ids: list[int]  # prompt + emitted tokens
+    drafter: Drafter
+    drafters: list  # the drafters to try, cheapest first
+    run: ScheduleRun
+    config: GenerationConfig
+    sampler: Sampler
+    text: TextStream
+    stats: Stats
+    eos: set[int]
+    context: int  # the longest the sequence may grow
+    cache: Cache
+    started: float
+    finish: str | None = None
+    proposal: Proposal = field(default_factory=Proposal)  # this step's draft, made by `draft_for`
+    verified: int = 0  # how many of its tokens this step verifies
+
+    @property
+    def prefilling(self) -> bool:
+        return len(self.cache) < len(self.ids) - 1
+
+    @property
+    def room(self) -> int:
+        """Draft tokens that can still be used: the sequence never outgrows the context, and a step emits its
+        accepted tokens plus one, so r tokens still wanted need at most r - 1 draft tokens."""
+        return min(self.context - len(self.ids), self.config.max_new_tokens - self.stats.new_tokens) - 1
+
+
+def begin(target: LanguageModel, prompt_ids: list[int], drafter: Drafter, schedule: Schedule,
+          config: GenerationConfig) -> GenerationState:
+    """A generation ready for its first `step` (its prompt not yet fed); bad settings or prompts raise ConfigError."""
+    config.validate()
+    context = context_limit(target, drafter)
+    check_prompt(prompt_ids, target, context)
+    eos = set(config.eos_token_ids if config.eos_token_ids is not None else target.eos_token_ids)
+    drafters = drafters_of(drafter)
+    started = target.clock()
+    run = schedule.prepare(target, drafters, len(prompt_ids), config.greedy, config.max_new_tokens)  # its state
+    return GenerationState(target, list(prompt_ids), drafter, drafters, run, config, Sampler(config),
+                           TextStream(target.tokenizer, config.stop),
+                           Stats(mode=drafter.name, prompt_tokens=len(prompt_ids)), eos, context,
+                           target.new_cache(), started)
+
+
+def stream(
+    target: LanguageModel, prompt_ids: list[int], drafter: Drafter, schedule: Schedule, config: GenerationConfig
+) -> Iterator[Chunk]:
+    """One generation, chunk by chunk: `step` over a batch of one (the whole prompt fed at once)."""
+    state = begin(target, prompt_ids, drafter, schedule, config)
+    while state.finish is None:
+        chunk = step([state])[0]
+        if chunk is not None:
+            yield chunk
+
+
+def step(states: list[GenerationState], prefill_budget: int | None = None) -> list[Chunk | None]:
+    """One target forward pass for every generation (all of one target): verification of each decoding one's
+    draft, and the next prompt tokens of those still prefilling, at most `prefill_budget` of them in all
+    (None: every whole prompt), given to the earliest first, so that joining requests never stall the running
+    ones for more than a pass over that many rows. A prefilling generation that gets none waits (its chunk None)."""
+    target = states[0].target
+    decoding = [s for s in states if not s.prefilling]
+    prefill = prefill_rows([s for s in states if s.prefilling], prefill_budget)
+    for s in decoding:
+        draft_for(s)
+    costs = step_costs(decoding)
+    choose_verified(decoding, sum(len(r) for r in prefill.values()), costs)
+    fed = decoding + [s for s in states if prefill.get(id(s))]
+    feeds = [(s.cache, [s.ids[-1]] + s.proposal.draft.tokens[: s.verified], s.verified + 1) for s in decoding]
+    feeds += [(s.cache, prefill[id(s)], 1) for s in fed[len(decoding):]]
+    t = target.clock()
+    logits = target.feed_together(feeds)  # per generation [keep, vocab]
+    elapsed = target.clock() - t
+    rows_in_all = sum(len(ids) for _, ids, _ in feeds)
+    chunks: dict[int, Chunk] = {}
+    for s, rows in zip(fed, logits, strict=True):
+        if id(s) in prefill:  # (it may have just finished its prompt)
+            s.stats.prefill_s += elapsed
+            s.stats.target_forward_passes += 1
+        else:
+            share = elapsed if len(fed) == 1 else elapsed * time_share(s, len(fed), rows_in_all, costs)
+            chunks[id(s)] = accept(s, rows, share)
+    return [chunks.get(id(s)) for s in states]
+
+
+def prefill_rows(prefilling: list[GenerationState], budget: int | None) -> dict[int, list[int]]:
+    """{id(state): the prompt tokens it feeds this step}, earliest first, `budget` tokens in all (None: no limit).
+    The cache always ends one short of the sequence."""
+    rows = {}
+    for s in prefilling:
+        start, end = len(s.cache), len(s.ids) - 1
+        take = end - start if budget is None else min(end - start, budget)
+        if take <= 0:
+            break
+        rows[id(s)] = s.ids[start : start + take]
+        if budget is not None:
+            budget -= take
+    return rows
+
+
+def draft_for(s: GenerationState) -> None:
+    """Ask the generation's drafters for this step's draft, as many tokens as its schedule wants and can be used."""
+    room = s.room
+    s.proposal = first_draft(s.drafters, s.ids, lambda d: min(s.run.next_k(d), room), s.sampler,
+                             s.run.min_confidence, s.target.clock)
+    s.stats.draft_forward_passes += s.proposal.forward_passes
+    s.stats.draft_s += s.proposal.total_seconds
+
+
+def step_costs(decoding: list[GenerationState]) -> PassCosts | None:
+    """What the step is priced with: the first decoding generation's schedule's costs (None: only fixed rules)."""
+    return next((s.run.costs for s in decoding if s.run.costs is not None), None)
+
+
+def choose_verified(decoding: list[GenerationState], prefill_rows: int, costs: PassCosts | None) -> None:
+    """How many of each draft the step verifies: the most tokens per unit of time for the whole step
+    (`schedules.verified_lengths`, over `gain.lookahead`)."""
+    chosen = verified_lengths([s.run for s in decoding], [s.proposal.draft for s in decoding],
+                              [s.proposal.drafter for s in decoding], [s.room for s in decoding], costs, prefill_rows)
+    for s, n in zip(decoding, chosen, strict=True):
+        s.verified = n
+
+
+def time_share(s: GenerationState, sequences: int, rows: int, costs: PassCosts | None) -> float:
+    """The share of a batched step's time (`sequences` generations, `rows` rows in all) that the generation's rows
+    would have cost alone (for its schedule, which learns the time of a plain step from its steps)."""
+    if costs is None:
+        return (s.verified + 1) / rows
+    return min(1.0, costs.rows(s.verified + 1) / costs.batch(sequences, rows))
+
+
+def accept(s: GenerationState, logits, verify_s: float) -> Chunk:
+    """Verify the generation's draft against the target's logits [verified+1, vocab], roll back, emit."""
+    n, draft = s.verified, s.proposal.draft
+    accepted, token, p = verify(logits, draft, n, s.sampler)
+    s.stats.verify_s += verify_s
+    s.cache.crop(len(s.ids) + accepted)  # roll back the rejected draft positions
+    s.drafter.observe(accepted, p)
+    s.run.update(StepOutcome(draft, s.proposal.drafter, n, accepted, token, s.proposal.seconds, verify_s))
+    s.stats.record_step(n, accepted)
+
+    new = draft.tokens[:accepted] + [token]
+    new, finish = apply_stops(new, s.stats.new_tokens, s.config, s.eos, s.text)
+    s.ids.extend(new)
+    s.stats.new_tokens += len(new)
+    if finish is None and len(s.ids) >= s.context:
+        finish = "context"
+    s.stats.total_s = s.target.clock() - s.started
+    if finish:
+        s.finish = finish
+        s.stats.finish_reason = finish
+        s.drafter.finish(s.ids)
+        s.stats.notes.update(s.drafter.report())
+        s.stats.notes.update(s.run.report())
+    return Chunk(new, s.text.delta(final=finish is not None), finish, s.stats)
+
+
+def verify(logits, draft, n: int, sampler: Sampler):
+    """Judge the first n draft tokens against the target's logits [n+1, vocab] over [last token, d_1..d_n].
+
+    Returns (accepted draft tokens, next token, p [n+1, vocab] when sampling else None).
+    """
+    tokens = draft.tokens[:n]
+    if sampler.greedy:
+        accepted, token = verify_greedy(logits, tokens)
+        return accepted, token, None
+    p = sampler.probs(logits)
+    q = None if draft.probs is None else draft.probs[:n]
+    accepted, token = verify_speculative(p, q, tokens, sampler)
+    return accepted, token, p
+
+
+def apply_stops(
+    new: list[int], generated: int, config: GenerationConfig, eos: set[int], text: TextStream
+) -> tuple[list[int], str | None]:
+    """Cut this step's tokens at max_new_tokens, the first EOS, or a completed stop string."""
+    finish = None
+    room = config.max_new_tokens - generated
+    if len(new) >= room:
+        new, finish = new[:room], "length"
+    for i, token in enumerate(new):
+        if token in eos:
+            new, finish = new[: i + 1], "eos"
+            break
+    keep = text.add(new)
+    if text.stopped:
+        new, finish = new[:keep], "stop"
+    return new, finish
+
+
+def context_limit(target: LanguageModel, drafter: Drafter) -> int:
+    limits = [c for c in (target.context_length, drafter.context_length) if c]
+    return min(limits) if limits else 1 << 62
+
+
+def check_prompt(prompt_ids: list[int], target: LanguageModel, context: int) -> None:
+    if len(prompt_ids) == 0:
+        raise ConfigError("The prompt is empty: give at least one token of text.")
+    if len(prompt_ids) >= context:
+        raise ConfigError(
+            f"The prompt has {len(prompt_ids)} tokens but the context length is {context}: "
+            "shorten the prompt so that at least one new token fits."
+        )
+    vocab = target.vocab_size
+    bad = [t for t in prompt_ids if not 0 <= t < vocab]
+    if bad:
+        raise ConfigError(f"Prompt token ids {bad[:5]} are outside the model's vocabulary (0..{vocab - 1}).")

@@ -1,0 +1,127 @@
+"""Turning logits into tokens, and verifying a draft against the target.
+
+Vocabulary (as in Leviathan et al. 2023 and vLLM's rejection sampler):
+- p: the target's distribution at a position, after temperature / top-k / top-p.
+- q: the draft's distribution at that position, processed the same way (or none: a drafter such
+  as prompt lookup proposes tokens without probabilities; its q is then one-hot on the token).
+- accepted tokens: the longest prefix of the draft that the target keeps.
+- recovered token: at the first rejection, a token drawn from norm(max(p - q, 0)).
+- bonus token: when every draft token is accepted, one more token drawn from p.
+Each verification step therefore emits accepted + 1 tokens.
+
+Contract: pure functions of tensors plus seeded `torch.Generator`s; greedy is its own explicit
+branch (argmax), never a small temperature. Draws happen on the device of the probabilities
+given (the target's, for p; q is moved there when a drafter runs elsewhere), each device with its
+own generator made on first use and seeded with the same seed, so the stream on the CPU is the
+same whatever other devices join. Nothing here knows about models or caches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from assistgen.config import GenerationConfig
+
+
+class Sampler:
+    """Applies temperature, top-k and top-p and draws tokens with seeded generators (one per device)."""
+
+    def __init__(self, config: GenerationConfig):
+        self.config = config
+        self.greedy = config.greedy
+        self.generator = torch.Generator()  # the CPU's: uniforms, and draws from CPU probabilities
+        if config.seed is not None:
+            self.generator.manual_seed(config.seed)
+        else:
+            self.generator.seed()
+        self.generators = {self.generator.device: self.generator}
+
+    def generator_for(self, device: torch.device) -> torch.Generator:
+        """The generator that draws on `device`, made on first use with the CPU generator's seed."""
+        generator = self.generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device).manual_seed(self.generator.initial_seed())
+            self.generators[device] = generator
+        return generator
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [n, vocab] -> processed probabilities [n, vocab] (float32)."""
+        logits = logits.float()
+        # Shifted by the row's max first (softmax does not change), and the temperature kept a float32 number: a tiny
+        # one then gives 0 at the argmax and -inf elsewhere, the distribution's limit, instead of nan (inf - inf, or
+        # 0 / 0 for a temperature that is 0 in float32).
+        temperature = max(self.config.temperature, torch.finfo(torch.float32).tiny)
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+        if self.config.top_k > 0:
+            k = min(self.config.top_k, logits.shape[-1])
+            kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.config.top_p < 1.0:
+            logits = top_p_filter(logits, self.config.top_p)
+        return torch.softmax(logits, dim=-1)
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """probs [vocab] -> one token id, drawn on probs' device."""
+        return int(torch.multinomial(probs, 1, generator=self.generator_for(probs.device)))
+
+    def uniform(self) -> float:
+        return float(torch.rand((), generator=self.generator))
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of tokens whose probability reaches top_p (as transformers does). [n, vocab]"""
+    sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative <= (1 - top_p)
+    remove_sorted[..., -1:] = False  # always keep the most likely token
+    remove = remove_sorted.scatter(-1, order, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> tuple[int, int]:
+    """Longest prefix of `draft` equal to the target's argmax, plus the target's next token.
+
+    target_logits: [k+1, vocab], row i predicts the token after draft[:i].
+    Returns (number of accepted draft tokens, the token the target emits after them).
+    """
+    choice = target_logits.argmax(dim=-1).tolist()  # [k+1]
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == choice[accepted]:
+        accepted += 1
+    return accepted, choice[accepted]
+
+
+def verify_speculative(
+    p: torch.Tensor, q: torch.Tensor | None, draft: list[int], sampler: Sampler
+) -> tuple[int, int]:
+    """Speculative sampling, Leviathan et al. 2023, Algorithm 1.
+
+    p: [k+1, vocab] target probabilities; q: [k, vocab] draft probabilities (moved to p's device if
+    the drafter runs on another one), or None for a drafter without probabilities (then q is one-hot
+    on each draft token, which is the same as sampling y ~ p and accepting the draft token only if y
+    equals it).
+    Accept draft token x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection
+    draw the recovered token from norm(max(p_i - q_i, 0)); if all are accepted draw a bonus from p_k.
+    """
+    if q is not None:
+        q = q.to(p.device)  # the same tensor when it is already there
+    for i, x in enumerate(draft):
+        p_x = float(p[i, x])
+        q_x = 1.0 if q is None else float(q[i, x])
+        if q_x > 0 and sampler.uniform() < min(1.0, p_x / q_x):
+            continue
+        return i, sampler.draw(residual(p[i], None if q is None else q[i], x))
+    return len(draft), sampler.draw(p[len(draft)])
+
+
+def residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tensor:
+    """norm(max(p - q, 0)) for one position. p, q: [vocab]; q None means one-hot on `token`."""
+    if q is None:
+        r = p.clone()
+        r[token] = 0.0
+    else:
+        r = (p - q).clamp_min(0.0)
+    total = r.sum()
+    if total <= 0:  # p == q up to rounding: any draw from p is exact
+        return p
+    return r / total

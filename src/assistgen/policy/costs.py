@@ -1,0 +1,132 @@
+"""The cost model: what one forward pass over n rows costs relative to plain decoding, per model and machine.
+
+Contract: `pass_costs(model)` returns the model's `PassCosts`, kept in the model's own `costs` field:
+measured on first use (`calibrate`), or read back from disk. The curve `curve[k] = t(k+1) / t(1)` (v[k] in
+`gain.py`), where t(n) is the time of one forward pass over n new tokens after a short context
+(`backends.measure.step_times`): a step that verifies k draft tokens feeds k+1 tokens, so it costs v[k]
+plain steps (v[0] = 1). It is measured on the model as it runs, after its transforms, together with
+t(n) / t(1) at a few wider row counts (`WIDE_ROWS`, for batched steps over many sequences:
+`PassCosts.rows`) and what a further sequence and a further draft row cost in a pass over `BATCH`
+sequences (`PassCosts.batch`), and cached as JSON under `$ASSISTGEN_CACHE/costs/`, keyed by the model's
+fingerprint (`backends.base`: model, set-up, library versions, CPU, threads), so a change of any of them
+measures again; `calibrate(model, refresh=True)` or deleting the file re-measures. Models without a
+`cache_key` are measured once per model object. Everything is measured through the backend seam (new
+cache, feed, crop, fork, clock), so any backend can be priced. How long a drafter takes per proposed
+token is measured online by the adaptive schedule, not here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from assistgen.backends.measure import best_of_rounds, random_context, step_times
+from assistgen.paths import measurement_file, remembered
+from assistgen.policy.gain import MAX_K
+
+WIDE_ROWS = (24, 32, 64, 128)  # row counts past MAX_K + 1 measured for batched steps (`PassCosts.rows`)
+BATCH = 8  # sequences in the batched passes measured for `PassCosts.batch`
+REQUIRED = ("verification_costs", "wide_costs", "batch_row_cost", "sequence_cost")  # else measured again
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """A model's measured cost of one forward pass, in plain steps t(1)."""
+
+    curve: tuple[float, ...]  # v[0..MAX_K]: one sequence verifying k draft tokens (k + 1 rows)
+    points: tuple[tuple[int, float], ...]  # (rows, t(rows) / t(1)) of one sequence, rows ascending
+    sequence: float  # each further sequence in a batched pass (its own attention)
+    batch_row: float  # each further draft row in a batched pass
+    record: dict = field(default_factory=dict, compare=False)  # the measurement as saved (step seconds, date)
+
+    @classmethod
+    def of(cls, record: dict) -> PassCosts:
+        curve = tuple(record["verification_costs"])
+        points = list(enumerate(curve, start=1))
+        points += [(n, c) for n, c in zip(record["wide_rows"], record["wide_costs"], strict=True) if n > len(points)]
+        return cls(curve, tuple(points), record["sequence_cost"], record["batch_row_cost"], record)
+
+    @classmethod
+    def from_curve(cls, curve: list[float], like: PassCosts | None = None) -> PassCosts:
+        """A given curve v[0..k] (e.g. `Adaptive(curve=...)`), with `like`'s batch costs (none given: a further
+        sequence costs nothing, a further draft row the curve's mean slope)."""
+        curve = tuple(float(c) for c in curve)
+        slope = (curve[-1] - curve[0]) / max(1, len(curve) - 1)
+        return cls(curve, tuple(enumerate(curve, start=1)), like.sequence if like else 0.0,
+                   like.batch_row if like else slope)
+
+    def rows(self, rows: int) -> float:
+        """One sequence, `rows` new tokens: the curve, linear between measured row counts and past the last."""
+        points = self.points
+        for (n0, c0), (n1, c1) in zip(points, points[1:], strict=False):
+            if rows == n1:
+                return c1
+            if rows < n1:
+                return c0 + (c1 - c0) * (rows - n0) / (n1 - n0) if rows > n0 else c0
+        if len(points) == 1:
+            return points[0][1] * rows
+        (n0, c0), (n1, c1) = points[-2], points[-1]
+        return c1 + (c1 - c0) * (rows - n1) / (n1 - n0)
+
+    def batch(self, sequences: int, rows: int, draft_rows: int = 0) -> float:
+        """`sequences` sequences with `rows` rows in all (one per decoding sequence, prompt chunks) and `draft_rows`
+        draft rows besides: the rows' cost, plus each further sequence's own attention and each draft row at their
+        measured batch costs. One sequence: its curve."""
+        if sequences <= 1:
+            return self.rows(rows + draft_rows)
+        return self.rows(rows) + (sequences - 1) * self.sequence + draft_rows * self.batch_row
+
+
+def pass_costs(model) -> PassCosts:
+    """The model's `PassCosts`: its `costs` field, measured (or read from disk) on first use."""
+    return model.costs if model.costs is not None else calibrate(model)
+
+
+def calibrate(model, refresh: bool = False) -> PassCosts:
+    """Read the model's costs from disk, or measure them now (and save them); kept in `model.costs`."""
+    record = remembered(costs_path(model), lambda: measure_costs(model), REQUIRED, refresh)
+    model.costs = PassCosts.of(record)
+    return model.costs
+
+
+def costs_path(model) -> Path | None:
+    """Where this model's costs on this machine are cached (None without a `cache_key`: kept in memory only)."""
+    return measurement_file("costs", model.cache_key, model.fingerprint()) if model.cache_key else None
+
+
+@torch.inference_mode()
+def measure_costs(model) -> dict:
+    times = step_times(model, max_k=MAX_K)
+    wide = step_times(model, repeats=2, rows=list(WIDE_ROWS))
+    one, apart, two = batch_step_times(model)
+    return {"model": model.name, "measured": time.strftime("%Y-%m-%d %H:%M"),
+            "step_seconds": [round(t, 6) for t in times], "verification_costs": [t / times[0] for t in times],
+            "wide_rows": list(WIDE_ROWS), "wide_costs": [t / times[0] for t in wide],
+            # a batched pass over BATCH sequences: each further sequence, each further row of one (t(1) units)
+            "sequence_cost": max(0.0, (apart - one) / (BATCH - 1) / times[0]),
+            "batch_row_cost": max(0.0, (two - apart) / BATCH / times[0])}
+
+
+def batch_step_times(model, context: int = 128, repeats: int = 3) -> tuple[float, float, float]:
+    """Seconds of one pass over BATCH new rows of one sequence, over one new row of each of BATCH sequences, and
+    over two rows of each (best of `repeats`, round-robin), after `context` tokens each."""
+    ids, context = random_context(model, context, BATCH, seed=1)
+    first = model.new_cache()
+    first.feed(ids[:context])
+    caches = [first] + [first.fork() for _ in range(BATCH - 1)]
+    shapes = ([(first, ids[context:], BATCH)], [(c, ids[context:context + 1], 1) for c in caches],
+              [(c, ids[context:context + 2], 2) for c in caches])
+
+    def run(feeds) -> float:
+        start = model.clock()
+        model.feed_together(feeds)
+        elapsed = model.clock() - start
+        for cache, _, _ in feeds:
+            cache.crop(context)
+        return elapsed
+
+    one, apart, two = best_of_rounds([lambda f=f: run(f) for f in shapes], repeats)
+    return one, apart, two

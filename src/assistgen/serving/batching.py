@@ -1,0 +1,215 @@
+"""The serving engine: one thread steps every running request together through the generation loop.
+
+Contract: `BatchEngine(target, make_drafter, schedule, settings)` owns a target model and the thread
+its loop runs on: its own (`start`) or the caller's (`run_forever`).
+`submit(prompt_ids, config, on_chunk, drafter=None)` queues a request (raises `QueueFull` past `settings.max_queue`
+waiting requests, `ConfigError` for a bad prompt or config) and returns its `Request` handle; the
+engine thread admits waiting requests between steps (at most `settings.max_batch` run at once) and
+delivers each request's `engine.Chunk`s, in order, to `on_chunk` (called on the engine thread; by
+default they go to a queue that iterating the `Request` reads). The last chunk of a request has its
+`finish_reason` set: length | eos | stop | context, or "cancelled" (`Request.cancel()`, e.g. a client
+that went away: its rows are freed before the next step), or "error" (`Request.error` says what).
+`shutdown()` stops admitting requests, lets the running ones finish (or cancels them) and waits for
+the loop to return. Each request gets its own drafter: the one given to `submit`, else a fresh one from
+`make_drafter()` (drafters hold per-request state: caches, estimates), its own sampler and schedule
+run; only the target and its weights are shared. Greedy output of a request is the output
+`engine.stream` gives for it alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from assistgen.backends.base import LanguageModel
+from assistgen.config import ConfigError, GenerationConfig
+from assistgen.core.engine import Chunk, GenerationState, begin, step
+from assistgen.drafters.base import Drafter
+from assistgen.policy.schedules import Schedule
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than the engine accepts (`EngineSettings.max_queue`)."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    max_batch: int = 8  # requests stepped together
+    max_queue: int = 64  # requests waiting to join; one more is refused with QueueFull
+    prefill_budget: int = 256  # prompt tokens fed per step over all joining requests, so running streams keep flowing
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_queue", "prefill_budget"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+_ids = itertools.count(1)
+
+
+class Request:
+    """One submitted request: its chunks arrive in order; the last one has `finish_reason` set."""
+
+    def __init__(self, prompt_ids: list[int], config: GenerationConfig, on_chunk: Callable[[Chunk], None] | None,
+                 drafter: Drafter | None = None):
+        self.id = f"req-{next(_ids)}"
+        self.prompt_ids = list(prompt_ids)
+        self.config = config
+        self.drafter = drafter  # None: the engine's make_drafter() makes one
+        self.error: str | None = None
+        self.cancelled = threading.Event()
+        self.done = threading.Event()
+        self._queue: queue.Queue[Chunk] | None = None if on_chunk is not None else queue.Queue()
+        self._on_chunk = on_chunk if on_chunk is not None else self._queue.put
+
+    def cancel(self) -> None:
+        """Stop generating for this request; the engine frees its rows before the next step."""
+        self.cancelled.set()
+
+    def deliver(self, chunk: Chunk) -> None:
+        if chunk.finish_reason is not None:
+            self.done.set()
+        self._on_chunk(chunk)
+
+    def __iter__(self) -> Iterator[Chunk]:
+        if self._queue is None:
+            raise RuntimeError("this request delivers its chunks to on_chunk")
+        while True:
+            chunk = self._queue.get()
+            yield chunk
+            if chunk.finish_reason is not None:
+                return
+
+
+class BatchEngine:
+    def __init__(self, target: LanguageModel, make_drafter: Callable[[], Drafter], schedule: Schedule,
+                 settings: EngineSettings | None = None):
+        self.target = target
+        self.make_drafter = make_drafter
+        self.schedule = schedule
+        self.settings = settings or EngineSettings()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.lock = threading.Condition()
+        self.accepting = True
+        self.thread: threading.Thread | None = None
+        self.largest_batch = 0  # the most requests stepped together so far
+        self.finished = threading.Event()  # set when the loop has returned
+
+    # --- the client side ----------------------------------------------------------------------------------
+
+    def start(self) -> BatchEngine:
+        """Run the loop on a thread of its own (no-op when it already runs, e.g. in `run_forever`)."""
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="assistgen-engine", daemon=True)
+            self.thread.start()
+        return self
+
+    def run_forever(self, claimed: Callable[[], None] | None = None) -> None:
+        """Run the loop in the calling thread until `shutdown` (from another thread) has drained it; `claimed` is
+        called once the engine belongs to this thread (e.g. to start the HTTP server, whose `start` is then a
+        no-op). The command line server runs it in the main thread, where PyTorch's multi-threaded CPU kernels
+        (attention) run faster than from a second Python thread (docs/benchmarks.md, serving)."""
+        if self.thread is not None:
+            raise RuntimeError("the engine already runs")
+        self.thread = threading.current_thread()
+        if claimed is not None:
+            claimed()
+        self._run()
+
+    def submit(self, prompt_ids: list[int], config: GenerationConfig,
+               on_chunk: Callable[[Chunk], None] | None = None, drafter: Drafter | None = None) -> Request:
+        config.validate()
+        request = Request(prompt_ids, config, on_chunk, drafter)
+        with self.lock:
+            if not self.accepting:
+                raise QueueFull("The server is shutting down and accepts no new requests.")
+            if len(self.waiting) >= self.settings.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are already waiting (max_queue "
+                                f"{self.settings.max_queue}): retry later.")
+            self.waiting.append(request)
+            self.lock.notify_all()
+        return request
+
+    def shutdown(self, cancel: bool = False, timeout: float | None = None) -> None:
+        """Stop accepting requests; finish the running and waiting ones (or cancel them); join the thread."""
+        with self.lock:
+            self.accepting = False
+            if cancel:
+                for request in [*self.running, *self.waiting]:
+                    request.cancel()
+            self.lock.notify_all()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.finished.wait(timeout)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # --- the engine thread ---------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self.finished.set()
+
+    def _loop(self) -> None:
+        active: list[tuple[Request, GenerationState]] = []
+        while True:
+            with self.lock:
+                while not self.waiting and not active and self.accepting:
+                    self.lock.wait(0.5)  # with a timeout: a main thread waiting here still takes signals
+                if not self.waiting and not active:
+                    return  # shut down and drained
+                joining = []
+                while self.waiting and len(active) + len(joining) < self.settings.max_batch:
+                    joining.append(self.waiting.popleft())
+            active += [(r, s) for r in joining if (s := self._begin(r)) is not None]
+            active = [(r, s) for r, s in active if not self._cancelled(r, s)]
+            self.running = [r for r, _ in active]
+            if not active:
+                continue
+            self.largest_batch = max(self.largest_batch, len(active))
+            try:
+                chunks = step([s for _, s in active], self.settings.prefill_budget)
+            except Exception as e:  # noqa: BLE001 - a failed step ends its requests, not the engine
+                for request, _ in active:
+                    request.error = f"{type(e).__name__}: {e}"
+                    request.deliver(Chunk([], "", "error"))
+                active = []
+                self.running = []
+                continue
+            for (request, _), chunk in zip(active, chunks, strict=True):
+                if chunk is not None:
+                    request.deliver(chunk)
+            active = [(r, s) for r, s in active if s.finish is None]
+            self.running = [r for r, _ in active]
+
+    def _begin(self, request: Request) -> GenerationState | None:
+        """The request's sequence in the loop, or None (its error delivered) when it cannot start."""
+        try:
+            drafter = request.drafter if request.drafter is not None else self.make_drafter()
+            return begin(self.target, request.prompt_ids, drafter, self.schedule, request.config)
+        except Exception as e:  # noqa: BLE001
+            request.error = f"{type(e).__name__}: {e}"
+            request.deliver(Chunk([], "", "error"))
+            return None
+
+    @staticmethod
+    def _cancelled(request: Request, sequence: GenerationState) -> bool:
+        """Whether the request was cancelled; its last chunk is then delivered and its rows are dropped."""
+        if not request.cancelled.is_set():
+            return False
+        sequence.stats.finish_reason = "cancelled"
+        request.deliver(Chunk([], "", "cancelled", sequence.stats))
+        return True

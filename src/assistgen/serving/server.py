@@ -1,0 +1,373 @@
+"""`assistgen serve`'s app: an OpenAI-compatible HTTP server over a `BatchEngine`.
+
+Contract: `create_app(engine, settings, make_drafter)` builds a FastAPI app (no model loading: tests pass
+a loaded model's engine) serving `POST /v1/completions`, `POST /v1/chat/completions` (both with
+`stream: true` as server-sent events), `GET /v1/models`, `GET /health` and `GET /metrics` (Prometheus
+text from the app's own registry, `metrics.py`). The handlers are module-level functions over the app's
+`AppState` (engine, settings, metrics, whether it is closing). Every request is checked in full before it
+reaches the engine (`protocol.py`); a client mistake answers 4xx with OpenAI's error body (400 bad input,
+404 unknown model, 429 queue full, 503 shutting down), anything else 500 with the same body. A client
+that goes away mid-generation (streamed or not) has its engine request cancelled. Responses carry,
+besides OpenAI's fields, `metrics.speculative_decoding` (`metrics.spec_decode_metrics`). The n-gram
+cache across requests is off unless `ServerSettings.ngram_cache`; then a request draws on (and feeds)
+the cache of its API key (the bearer token; no key: a cache of its own), never another's.
+`serve(engine, settings, host, port)` starts the engine and runs uvicorn until SIGINT/SIGTERM, then lets
+running requests finish (`ServerSettings.shutdown_timeout`) and returns 0 (`assistgen serve`, in
+`cli/main.py`, loads the model(s) and builds the engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import signal
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from assistgen.api import encode_chat, encode_prompt
+from assistgen.config import ConfigError
+from assistgen.core.engine import Chunk, check_prompt, context_limit
+from assistgen.drafters.base import Drafter
+from assistgen.drafters.ngram import NGramCache
+from assistgen.serving.batching import BatchEngine, QueueFull, Request
+from assistgen.serving.metrics import Metrics, spec_decode_metrics
+from assistgen.serving.protocol import (
+    FINISH_REASONS,
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    Sampling,
+    completion_prompt,
+    error_body,
+    generation_config,
+    install_error_handlers,
+    message_dicts,
+)
+
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str  # the name clients give as "model" (requests naming another get 404)
+    ngram_cache: bool = False  # an n-gram cache across requests, one per API key
+    max_tokens_limit: int | None = None  # the most new tokens a request may ask for (None: no limit)
+    shutdown_timeout: float = 30.0  # seconds running requests get to finish on shutdown
+
+
+@dataclass
+class AppState:
+    """What the handlers share: the engine and its model's context, the settings, the metrics."""
+
+    engine: BatchEngine
+    settings: ServerSettings
+    make_drafter: Callable[..., Drafter] | None
+    context: int  # the longest sequence the engine's target (and drafter) can take
+    metrics: Metrics
+    closing: bool = False
+
+
+def state_of(http: HTTPRequest) -> AppState:
+    return http.app.state.assistgen
+
+
+# --- one request through the engine -------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """A request as the server follows it: the engine's handle, the queue its chunks arrive on, timings."""
+
+    prompt_ids: list[int]
+    queue: asyncio.Queue
+    started: float
+    request: Request | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    completion_tokens: int = 0
+    texts: list[str] = field(default_factory=list)
+    last: Chunk | None = None
+
+    @property
+    def usage(self) -> dict:
+        n = len(self.prompt_ids)
+        return {"prompt_tokens": n, "completion_tokens": self.completion_tokens,
+                "total_tokens": n + self.completion_tokens}
+
+
+def chunk_sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[Chunk], None]:
+    """The engine's on_chunk: hands (chunk, arrival time) to the event loop's queue from the engine thread."""
+
+    def on_chunk(chunk: Chunk) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, (chunk, time.perf_counter()))
+        except RuntimeError:  # the loop has closed: nobody is listening any more
+            pass
+
+    return on_chunk
+
+
+def api_key(http: HTTPRequest) -> str | None:
+    scheme, _, key = http.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return None
+    return key.strip()
+
+
+def ngram_namespace(key: str | None) -> str | NGramCache:
+    """The n-gram cache namespace of an API key (hashed: no key is kept); no key: a throwaway cache."""
+    if key is None:
+        return NGramCache()
+    return "api-key:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def check_model(state: AppState, name: str | None) -> None:
+    served = state.settings.model_name
+    if name is not None and name != served:
+        raise APIError(404, f"The model '{name}' does not exist: this server serves '{served}'.",
+                       "not_found_error", "model", "model_not_found")
+
+
+def encoded(state: AppState, encode: Callable[[], list[int]], param: str) -> list[int]:
+    try:
+        ids = encode()
+        check_prompt(ids, state.engine.target, state.context)
+    except ConfigError as e:
+        raise APIError(400, str(e), param=param) from e
+    return ids
+
+
+def submit(state: AppState, body: Sampling, prompt_ids: list[int], http: HTTPRequest) -> Job:
+    config = generation_config(body, state.settings.max_tokens_limit)
+    if state.closing:
+        raise APIError(503, "The server is shutting down.", "service_unavailable")
+    job = Job(prompt_ids, asyncio.Queue(), time.perf_counter())
+    drafter = (state.make_drafter(ngram_cache=ngram_namespace(api_key(http))) if state.settings.ngram_cache
+               else None)
+    try:
+        job.request = state.engine.submit(prompt_ids, config, chunk_sink(asyncio.get_running_loop(), job.queue),
+                                          drafter=drafter)
+    except QueueFull as e:
+        if state.closing:
+            raise APIError(503, "The server is shutting down.", "service_unavailable") from e
+        raise APIError(429, str(e), "rate_limit_error") from e
+    except ConfigError as e:
+        raise APIError(400, str(e)) from e
+    return job
+
+
+async def follow(state: AppState, job: Job) -> AsyncIterator[Chunk]:
+    """The job's chunks as they come; leaving early (a client gone) cancels the engine request."""
+    try:
+        while job.last is None or job.last.finish_reason is None:
+            chunk, at = await job.queue.get()
+            job.last = chunk
+            job.completion_tokens += len(chunk.tokens)
+            job.texts.append(chunk.text)
+            state.metrics.step(job, chunk, at)
+            if chunk.finish_reason is not None:
+                state.metrics.finished(job, chunk.stats, FINISH_REASONS.get(chunk.finish_reason, "error"), at)
+            yield chunk
+    finally:
+        if job.last is None or job.last.finish_reason is None:
+            job.request.cancel()
+
+
+def failure(job: Job) -> APIError | None:
+    if job.last.finish_reason != "error":
+        return None
+    return APIError(500, f"Generation failed: {job.request.error}", "server_error")
+
+
+async def cancel_when_gone(job: Job, http: HTTPRequest) -> None:
+    """A client waiting for a whole reply that goes away cancels its engine request (streams: `follow`)."""
+    while not await http.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    job.request.cancel()
+
+
+async def respond(state: AppState, body: Sampling, job: Job, chat: bool, http: HTTPRequest) -> Response:
+    reply_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    head = {"id": reply_id, "created": int(time.time()), "model": state.settings.model_name}
+    if body.stream:
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(events(state, job, head, chat, usage), media_type="text/event-stream")
+    return await reply(state, job, head, chat, http)
+
+
+async def reply(state: AppState, job: Job, head: dict, chat: bool, http: HTTPRequest) -> JSONResponse:
+    watcher = asyncio.create_task(cancel_when_gone(job, http))
+    try:
+        async for _ in follow(state, job):
+            pass
+    finally:
+        watcher.cancel()
+    error = failure(job)
+    if error is not None:
+        raise error
+    text = "".join(job.texts)
+    choice = {"index": 0, "finish_reason": FINISH_REASONS.get(job.last.finish_reason)}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice.update(text=text, logprobs=None)
+    return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
+                         "choices": [choice], "usage": job.usage, "metrics": spec_decode_metrics(job.last.stats)})
+
+
+async def events(state: AppState, job: Job, head: dict, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def event(delta: dict | str, finish_reason: str | None = None, **extra) -> str:
+        choice = {"index": 0, "finish_reason": finish_reason}
+        if chat:
+            choice["delta"] = delta
+        else:
+            choice.update(text=delta, logprobs=None)
+        return sse({**head, "object": kind, "choices": [choice], **extra})
+
+    if chat:
+        yield event({"role": "assistant", "content": ""})
+    async for chunk in follow(state, job):
+        if chunk.finish_reason == "error":
+            yield sse(error_body(failure(job).message, "server_error"))
+        elif chunk.finish_reason is not None:
+            yield event({"content": chunk.text} if chat else chunk.text,
+                        FINISH_REASONS.get(chunk.finish_reason), metrics=spec_decode_metrics(chunk.stats))
+        elif chunk.text:
+            yield event({"content": chunk.text} if chat else chunk.text)
+    if include_usage:
+        yield sse({**head, "object": kind, "choices": [], "usage": job.usage})
+    yield "data: [DONE]\n\n"
+
+
+def sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+# --- the endpoints ------------------------------------------------------------------------------------------
+
+
+async def completions(body: CompletionRequest, http: HTTPRequest):
+    state = state_of(http)
+    check_model(state, body.model)
+    prompt = completion_prompt(body.prompt)
+    job = submit(state, body, encoded(state, lambda: encode_prompt(state.engine.target, prompt), "prompt"), http)
+    return await respond(state, body, job, False, http)
+
+
+async def chat_completions(body: ChatRequest, http: HTTPRequest):
+    state = state_of(http)
+    check_model(state, body.model)
+    messages = message_dicts(body.messages)
+    job = submit(state, body, encoded(state, lambda: encode_chat(state.engine.target, messages), "messages"), http)
+    return await respond(state, body, job, True, http)
+
+
+async def models(http: HTTPRequest):
+    return {"object": "list", "data": [{"id": state_of(http).settings.model_name, "object": "model", "created": 0,
+                                        "owned_by": "assistgen"}]}
+
+
+async def health(http: HTTPRequest):
+    return {"status": "shutting down" if state_of(http).closing else "ok"}
+
+
+async def prometheus(http: HTTPRequest):
+    return Response(generate_latest(state_of(http).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+# --- the app ------------------------------------------------------------------------------------------------
+
+
+def create_app(engine: BatchEngine, settings: ServerSettings,
+               make_drafter: Callable[..., Drafter] | None = None) -> FastAPI:
+    """The app serving `engine`'s model as `settings.model_name`.
+
+    `make_drafter(ngram_cache=...)` gives a fresh drafter drawing on that n-gram cache; it is needed only
+    with `settings.ngram_cache` (without it every request gets the engine's own drafter).
+    """
+    if settings.ngram_cache and make_drafter is None:
+        raise ConfigError("ngram_cache needs make_drafter(ngram_cache=...) to give each API key its cache.")
+    state = AppState(engine, settings, make_drafter, context_limit(engine.target, engine.make_drafter()),
+                     Metrics(engine))
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()
+        yield
+        state.closing = True
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, partial(engine.shutdown, cancel=False, timeout=settings.shutdown_timeout))
+        await loop.run_in_executor(None, partial(engine.shutdown, cancel=True, timeout=5.0))
+
+    app = FastAPI(title="assistgen", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    app.post("/v1/completions")(completions)
+    app.post("/v1/chat/completions")(chat_completions)
+    app.get("/v1/models")(models)
+    app.get("/health")(health)
+    app.get("/metrics")(prometheus)
+    app.state.assistgen = state
+    app.state.engine = engine
+    app.state.metrics = state.metrics
+    return app
+
+
+# --- the command --------------------------------------------------------------------------------------------
+
+
+def serve(engine: BatchEngine, settings: ServerSettings, host: str, port: int,
+          make_drafter: Callable[..., Drafter] | None = None) -> int:
+    """Serve `engine` on host:port until SIGINT/SIGTERM; 0 after a clean shutdown (`run_until_signal`)."""
+    import uvicorn
+
+    app = create_app(engine, settings, make_drafter)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    return run_until_signal(server, engine, f"http://{host}:{port}/v1", settings.model_name)
+
+
+def run_until_signal(server, engine: BatchEngine, url: str, name: str) -> int:
+    """Run uvicorn on a thread and the engine's loop on this (the main) thread, where PyTorch's CPU kernels run
+    fastest (`BatchEngine.run_forever`). SIGINT/SIGTERM ask uvicorn to stop (a second SIGINT forces it); its
+    lifespan then shuts the engine down, which ends the loop. Prints the URL once the socket is bound; 0 after a
+    clean stop, 1 when it never started (e.g. the port is taken)."""
+    thread = threading.Thread(target=server.run, name="uvicorn")
+    announced = threading.Event()
+
+    def stop(signum, _frame):
+        server.force_exit = server.should_exit and signum == signal.SIGINT
+        server.should_exit = True
+
+    def watch():
+        while thread.is_alive():
+            thread.join(0.1)
+            if server.started and not announced.is_set():
+                print(f"assistgen: serving {name} at {url}", flush=True)
+                announced.set()
+        engine.shutdown(cancel=True, timeout=5.0)  # uvicorn is gone (or never started): end the loop
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        def begin_http():
+            thread.start()
+            threading.Thread(target=watch, name="uvicorn-watch", daemon=True).start()
+
+        engine.run_forever(claimed=begin_http)
+        thread.join()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 0 if announced.is_set() else 1

@@ -1,0 +1,128 @@
+"""Shared test helpers: tiny randomly initialised models (built from configs, no downloads), a character
+tokenizer, transformers' greedy decoding and a cache-less loop as references, a small BPE tokenizer, the
+deliberately wrong verification rule the probability tests must catch, and the one-sequence verification
+length the loop's optimizer picks. Test modules import from here, never from each other or conftest."""
+
+from __future__ import annotations
+
+import string
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+from assistgen.backends.torch.model import Model
+from assistgen.backends.torch.reference import hf_generate
+from assistgen.policy.schedules import verified_lengths
+
+CHARS = string.ascii_letters + string.digits + " .,;:!?'\"-\n()"
+SPECIALS = ["<bos>", "<eos>", "<pad>"]
+
+
+def char_tokenizer(chars: str = CHARS) -> PreTrainedTokenizerFast:
+    """One token per character; ids 0..2 are <bos>, <eos>, <pad>."""
+    vocab = {t: i for i, t in enumerate(SPECIALS + list(chars))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<pad>"
+    )
+
+
+TOKENIZER = char_tokenizer()
+VOCAB = len(TOKENIZER)
+
+
+SMALL_TOKENIZER = char_tokenizer("abcdefgh")  # 11 tokens: for distribution tests
+
+
+def _finish(hf: torch.nn.Module, name: str, scale: float, tokenizer=TOKENIZER) -> Model:
+    # Larger weights than the default init give peaked, well-separated logits (no argmax ties).
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, scale)
+    hf.generation_config.eos_token_id = None  # random models: run to max_new_tokens unless a test sets EOS
+    hf.generation_config.pad_token_id = 2
+    return Model(hf.eval(), tokenizer, name)
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 64, scale: float = 0.3, tokenizer=TOKENIZER) -> Model:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=1,
+    )
+    return _finish(LlamaForCausalLM(cfg), f"tiny-llama-{seed}", scale, tokenizer)
+
+
+def tiny_gpt2(seed: int = 0, layers: int = 2, hidden: int = 64, scale: float = 0.3) -> Model:
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=hidden, n_layer=layers, n_head=4, n_positions=512,
+                     bos_token_id=0, eos_token_id=1)
+    return _finish(GPT2LMHeadModel(cfg), f"tiny-gpt2-{seed}", scale)
+
+
+def tiny_gemma3(seed: int = 0, layers: int = 3, hidden: int = 64, window: int = 16, scale: float = 0.3) -> Model:
+    """Gemma-3 layout: sliding-window layers (window 16 here) with a global layer every third."""
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+        sliding_window=window, layer_types=["sliding_attention", "sliding_attention", "full_attention"][:layers],
+        bos_token_id=0, eos_token_id=1, pad_token_id=2,
+    )
+    return _finish(Gemma3ForCausalLM(cfg), f"tiny-gemma3-{seed}", scale)
+
+
+def encode(text: str) -> list[int]:
+    return TOKENIZER(text)["input_ids"]
+
+
+def hf_greedy(model: Model, ids: list[int], n: int, stop_at_eos: bool = False) -> list[int]:
+    """transformers' own greedy decoding on the model as it is: the reference for exactness (runs all n tokens
+    unless stop_at_eos)."""
+    tokens, _ = hf_generate(model, ids, n, min_new_tokens=None if stop_at_eos else n, untransform=False)
+    return tokens
+
+
+@torch.inference_mode()
+def naive_greedy(model: Model, ids: list[int], n: int) -> list[int]:
+    """A plain autoregressive loop without any cache: full forward pass, argmax, append."""
+    seq, device = list(ids), model.device
+    for _ in range(n):
+        seq.append(int(model.hf(torch.tensor([seq], device=device)).logits[0, -1].argmax()))
+    return seq[len(ids):]
+
+
+
+
+def small_tokenizer(pieces: list[str], merges: list[tuple[str, str]]) -> PreTrainedTokenizerFast:
+    """A BPE tokenizer over `pieces` (ids from 3; 0..2 are <unk>, <s>, </s>) with the given merges."""
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>"] + pieces)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def broken_residual_from_p(p, q, draft, sampler):
+    """A classic bug, shared by the exact and the chi-squared tests to show they can fail: on rejection draw from
+    p instead of the residual norm(max(p - q, 0))."""
+    for i, x in enumerate(draft):
+        if sampler.uniform() < min(1.0, float(p[i, x]) / float(q[i, x])):
+            continue
+        return i, sampler.draw(p[i])
+    return len(draft), sampler.draw(p[len(draft)])
+
+
+def verified(run, draft, drafter_name: str, room: int = 1 << 30) -> int:
+    """How many of `draft`'s tokens the generation loop verifies for one sequence under the schedule run `run`."""
+    return verified_lengths([run], [draft], [drafter_name], [room], run.costs)[0]
