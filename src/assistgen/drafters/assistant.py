@@ -66,7 +66,7 @@ _SAME_TOKENIZER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # toke
 
 
 def same_tokenizer(target, assistant) -> bool:
-    """Whether every token string maps to the same id in both (remembered per pair: comparing large vocabularies is slow)."""
+    """Whether every token string maps to the same id in both (remembered per pair: large vocabularies are slow)."""
     a, b = target.tokenizer, assistant.tokenizer
     if a is b:
         return True
