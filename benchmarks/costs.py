@@ -16,7 +16,7 @@ import argparse
 import json
 
 from assistgen import load_model
-from assistgen.backends.torch.timing import step_times as measure_step_times
+from assistgen.backends.measure import step_times as measure_step_times
 from assistgen.backends.torch.transforms import (
     grouped_query_attention,
     remove_grouped_query_attention,

@@ -104,8 +104,6 @@ def naive_greedy(model: Model, ids: list[int], n: int) -> list[int]:
     return seq[len(ids):]
 
 
-
-
 def small_tokenizer(pieces: list[str], merges: list[tuple[str, str]]) -> PreTrainedTokenizerFast:
     """A BPE tokenizer over `pieces` (ids from 3; 0..2 are <unk>, <s>, </s>) with the given merges."""
     vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>"] + pieces)}

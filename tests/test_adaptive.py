@@ -365,3 +365,40 @@ def test_every_drafter_declares_what_the_policy_reads():
         assert drafter.acceptance_prior is None or 0.0 <= drafter.acceptance_prior <= 1.0, type(drafter).__name__
     assert [d.model is None for d in drafters] == [True, True, True, False, False, False, True]
     assert EarlyExitDrafter(target, calibration_ids=encode("the cat sat on the mat. " * 4)).acceptance_prior is not None
+
+
+def old_trim(run: AdaptiveRun, draft: Draft, drafter_name: str, room: int) -> int:
+    """The per-sequence rule the loop had before its one optimizer: trim a free drafter's draft to its best length
+    on the run's curve, verify everything near the end when finishing pays, keep a costly drafter's draft."""
+    if not draft.tokens or not run.is_free(drafter_name):
+        return min(len(draft.tokens), room)
+    rates = run.estimate(draft.source or drafter_name, drafter_name).estimate()
+    k, gain = best_lookahead(rates, run.curve, 0.0, len(draft.tokens))
+    if k < room <= len(draft.tokens) and finishing_pays(rates, run.curve, k, gain, room):
+        return room
+    return min(k, room)
+
+
+def test_the_one_optimizer_gives_one_sequence_what_the_per_sequence_rule_gave():
+    rng = random.Random(0)
+    finishing = 0
+    for _ in range(1000):
+        # a curve with a step in it (where verifying everything to finish can pay), or one that grows steadily
+        if rng.random() < 0.5:
+            j, jump, slope = rng.randrange(1, 17), rng.uniform(0.05, 1.0), rng.choice([0.0, 0.01, 0.05])
+            curve = [1.0 + slope * n + (jump if n >= j else 0.0) for n in range(17)]
+        else:
+            curve = [1.0]
+            for _ in range(16):
+                curve.append(curve[-1] + rng.choice([0.0, 0.01, 0.05, 0.2, 0.6, 1.0]))
+        run = Adaptive(curve=curve).prepare(None, [Cheap()])
+        for _ in range(rng.randrange(30)):
+            verified_ = rng.randrange(17)
+            accepted = verified_ if rng.random() < 0.9 else rng.randrange(verified_ + 1)
+            run.update(step([5] * 16, "lookup", verified_, accepted, token=5))
+        draft = Draft([5] * rng.randrange(1, 17), source=rng.choice(["lookup", "lookup:2"]))
+        room = rng.randrange(0, len(draft.tokens) + 3)  # often the end is near: every draft token usable
+        expected = old_trim(run, draft, "lookup", room)
+        assert verified(run, draft, "lookup", room) == expected
+        finishing += expected == room and room > 0 and expected != old_trim(run, draft, "lookup", 1 << 30)
+    assert finishing > 0  # the end-of-generation rule was exercised

@@ -19,7 +19,6 @@ from jinja2 import TemplateError
 
 from assistgen.backends.base import LanguageModel
 from assistgen.backends.torch.loading import load
-from assistgen.backends.torch.transforms import optimize
 from assistgen.config import ConfigError, GenerationConfig
 from assistgen.core.engine import Chunk
 from assistgen.core.engine import stream as run_loop
@@ -33,7 +32,6 @@ from assistgen.policy.costs import calibrate
 from assistgen.policy.schedules import Adaptive, Schedule, parse_schedule
 from assistgen.stats import Stats
 
-Model = LanguageModel  # what the API takes: any backend's model
 
 @dataclass
 class Generation:
@@ -57,18 +55,21 @@ def load_model(spec: str, dtype=None, device="cpu", fast_linear: bool | str = "a
 
 def prepare(model, fast_linear: bool | str = "auto", refresh: bool = False):
     """The explicit step after loading: the backend's optimization transforms (attention variant, and on the CPU
-    the small-row linear routes, only where they measure faster with "auto"), then the policy's cost curve,
+    the small-row linear routes, only where they measure faster with "auto"; none with False), then the policy's
+    cost curve,
     measured once per machine (cached on disk) so that no request pays for it. Returns the model."""
-    optimize(model, mode="auto" if fast_linear == "auto" else "on", refresh=refresh)
+    if fast_linear:
+        model.optimize(mode="auto" if fast_linear == "auto" else "on", refresh=refresh)
     calibrate(model, refresh=refresh)
     return model
 
 
 def as_model(model) -> LanguageModel:
-    return load_model(model) if isinstance(model, str) else model
+    """A backend model as it is; anything else is a spec to load (a bad one raises `ModelLoadError`)."""
+    return model if hasattr(model, "new_cache") else load_model(model)
 
 
-def encode_prompt(model: Model, prompt: str | list[int], chat: bool = False) -> list[int]:
+def encode_prompt(model: LanguageModel, prompt: str | list[int], chat: bool = False) -> list[int]:
     """A prompt string (optionally wrapped in the chat template) or token ids -> token ids."""
     if isinstance(prompt, (list, tuple)):
         if chat:
@@ -85,7 +86,7 @@ def encode_prompt(model: Model, prompt: str | list[int], chat: bool = False) -> 
     return list(model.tokenizer(prompt)["input_ids"])
 
 
-def encode_chat(model: Model, messages: list[dict]) -> list[int]:
+def encode_chat(model: LanguageModel, messages: list[dict]) -> list[int]:
     """Chat messages ({"role", "content"} dicts) -> token ids through the model's chat template, with the
     prompt for the assistant's turn appended. A model without a template, or messages its template refuses,
     raise `ConfigError`."""
@@ -102,8 +103,8 @@ def encode_chat(model: Model, messages: list[dict]) -> list[int]:
 
 
 def make_drafter(
-    target: Model,
-    assistant: Model | str | Drafter | None = None,
+    target: LanguageModel,
+    assistant: LanguageModel | str | Drafter | None = None,
     lookup: bool = False,
     early_exit: bool | int = False,
     ngram_cache: bool | str | NGramCache | None = False,
@@ -111,23 +112,23 @@ def make_drafter(
     """The drafter for these options; several sources compose, cheapest first (lookup, n-gram cache, a model)."""
     if assistant is not None and early_exit:
         raise ConfigError("Choose either an assistant model or early exit (self-drafting), not both.")
-    parts: list = []
+    drafters: list = []
     if lookup:
-        parts.append(PromptLookupDrafter())
+        drafters.append(PromptLookupDrafter())
     cache = ngram_cache_of(ngram_cache)
     if cache is not None:
-        parts.append(NGramCacheDrafter(cache))
+        drafters.append(NGramCacheDrafter(cache))
     if early_exit:
         layers = None if early_exit is True else int(early_exit)
         try:
-            parts.append(EarlyExitDrafter(target, layers=layers))
+            drafters.append(EarlyExitDrafter(target, layers=layers))
         except ValueError as e:
             raise ConfigError(f"early exit: {e}") from e
     elif assistant is not None:
-        parts.append(model_drafter(target, assistant))
-    if not parts:
+        drafters.append(model_drafter(target, assistant))
+    if not drafters:
         return NoDrafter()
-    return parts[0] if len(parts) == 1 else CompositeDrafter(parts)
+    return drafters[0] if len(drafters) == 1 else CompositeDrafter(drafters)
 
 
 def ngram_cache_of(ngram_cache) -> NGramCache | None:
@@ -147,7 +148,7 @@ def ngram_cache_of(ngram_cache) -> NGramCache | None:
                       f"got {type(ngram_cache).__name__}.")
 
 
-def model_drafter(target: Model, assistant: Model | str | Drafter) -> Drafter:
+def model_drafter(target: LanguageModel, assistant: LanguageModel | str | Drafter) -> Drafter:
     if hasattr(assistant, "propose"):  # a drafter object, not a model
         needed = ("observe", "finish", "report", "name", "context_length", "model", "acceptance_prior")
         missing = [m for m in needed if not hasattr(assistant, m)]
@@ -169,9 +170,9 @@ def default_schedule() -> Schedule:
 
 
 def stream(
-    model: Model | str,
+    model: LanguageModel | str,
     prompt: str | list[int],
-    assistant: Model | str | Drafter | None = None,
+    assistant: LanguageModel | str | Drafter | None = None,
     lookup: bool = False,
     schedule=None,
     chat: bool = False,
@@ -222,9 +223,9 @@ def as_schedule(schedule) -> Schedule:
 
 
 def generate(
-    model: Model | str,
+    model: LanguageModel | str,
     prompt: str | list[int],
-    assistant: Model | str | Drafter | None = None,
+    assistant: LanguageModel | str | Drafter | None = None,
     lookup: bool = False,
     schedule=None,
     chat: bool = False,

@@ -8,21 +8,24 @@ layers above it touch a forward pass:
                                       caches of this model, each sequence attending only to its own
                                       positions; returns each cache's logits [keep, vocab] float32 torch
                                       tensors on `model.device`, in order;
-    cache.feed(ids, keep) / crop(n) / fork() / len(cache) / cache.tokens / cache.sync(ids)
+    cache.feed(ids, keep) / crop(n) / fork() / len(cache) / cache.tokens / cache.sync(ids) / cache.clock()
+                                      (the model's clock on the device the cache lives on, found once)
 plus what decoding needs to know: `name`, `tokenizer` (a Hugging Face-style tokenizer: `__call__`,
 `decode`, `get_vocab`, `convert_ids_to_tokens`, `apply_chat_template`), `vocab_size` (the width of the
 logits), `eos_token_ids`, `context_length` (None when unbounded), `device` (where logits, and the
 tensors made from them, live), `weight_bytes` (what a forward pass reads, for the policy's cost prior),
 `clock()` (seconds on a monotonic clock once the device's queued work is done: every timing above the
-seam goes through it) and `fingerprint(*extra)` (a stable key of the model, its set-up and this machine,
-under which measurements are cached on disk; `cache_key` None: measurements live in memory only).
+seam goes through it), `optimize(mode, refresh)` (the backend's own speed transforms, "auto": only
+where they measure faster; it drops `costs`, which no longer hold) and `fingerprint(*extra)` (a stable
+key of the model, its set-up and this machine, under which measurements are cached on disk; `cache_key`
+None: measurements live in memory only).
 `costs` is the field in which the policy keeps what it measured of the model (`policy.costs`); the
 backend never reads it.
 
 Capabilities a backend may lack are declared in `capabilities`, never discovered by `hasattr`:
 `first_layers` (it can run its first N decoder layers as a model of its own, sharing the weights:
-`truncated(n)`, `exit_agreement(ids, positions)` and `layer_costs()`, which early exit needs).
-Layers above this module see a model only through this interface; the PyTorch code lives below it
+`truncated(n)`, `exit_agreement(ids, positions)` and `layer_costs()`, which early exit needs). Layers
+above this module see a model only through this interface; the PyTorch code lives below it
 (`backends/torch/`).
 """
 
@@ -55,6 +58,8 @@ class Cache(Protocol):
     def fork(self) -> Cache: ...
 
     def sync(self, ids: list[int], keep_last: int = 1) -> list[int]: ...
+
+    def clock(self) -> float: ...
 
 
 Feed = tuple[Cache, list[int], int]  # (cache, new token ids, how many of the last rows' logits to keep)
@@ -89,6 +94,8 @@ class LanguageModel(Protocol):
     def clock(self) -> float: ...
 
     def fingerprint(self, *extra: str) -> str: ...
+
+    def optimize(self, mode: str = "auto", refresh: bool = False) -> None: ...
 
     # capabilities.first_layers
     def truncated(self, layers: int) -> LanguageModel: ...

@@ -14,7 +14,7 @@ follows the target's distribution (see `sampling.py`), each generation with its 
 of each draft to verify is decided for the whole step by the one optimizer, `gain.lookahead`, from
 the schedules' acceptance estimates and the measured cost of the step's rows (`costs.PassCosts`), for
 one generation or many alike, so drafting never costs the step more than it brings. The loop sees the
-target only through `backends.base` (cache verbs, `clock`, vocabulary, EOS, context length): it never
+target only through `backends.base` (cache verbs and clock, vocabulary, EOS, context length): it never
 knows which library computes the logits.
 """
 
@@ -28,7 +28,7 @@ from assistgen.config import ConfigError, GenerationConfig
 from assistgen.core.sampling import Sampler, verify_greedy, verify_speculative
 from assistgen.core.text import TextStream
 from assistgen.drafters.base import Drafter, Proposal, drafters_of, first_draft
-from assistgen.policy.costs import PassCosts
+from assistgen.policy.costs import PassCosts, pass_costs
 from assistgen.policy.schedules import Schedule, ScheduleRun, StepOutcome, verified_lengths
 from assistgen.stats import Stats
 
@@ -105,7 +105,7 @@ def step(states: list[GenerationState], prefill_budget: int | None = None) -> li
     draft, and the next prompt tokens of those still prefilling, at most `prefill_budget` of them in all
     (None: every whole prompt), given to the earliest first, so that joining requests never stall the running
     ones for more than a pass over that many rows. A prefilling generation that gets none waits (its chunk None)."""
-    target = states[0].target
+    target, clock = states[0].target, states[0].cache.clock
     decoding = [s for s in states if not s.prefilling]
     prefill = prefill_rows([s for s in states if s.prefilling], prefill_budget)
     for s in decoding:
@@ -115,10 +115,12 @@ def step(states: list[GenerationState], prefill_budget: int | None = None) -> li
     fed = decoding + [s for s in states if prefill.get(id(s))]
     feeds = [(s.cache, [s.ids[-1]] + s.proposal.draft.tokens[: s.verified], s.verified + 1) for s in decoding]
     feeds += [(s.cache, prefill[id(s)], 1) for s in fed[len(decoding):]]
-    t = target.clock()
+    t = clock()
     logits = target.feed_together(feeds)  # per generation [keep, vocab]
-    elapsed = target.clock() - t
+    elapsed = clock() - t
     rows_in_all = sum(len(ids) for _, ids, _ in feeds)
+    if len(fed) > 1 and costs is None:
+        costs = pass_costs(target)  # only fixed rules this step: the target's own costs share out its time
     chunks: dict[int, Chunk] = {}
     for s, rows in zip(fed, logits, strict=True):
         if id(s) in prefill:  # (it may have just finished its prompt)
@@ -149,7 +151,7 @@ def draft_for(s: GenerationState) -> None:
     """Ask the generation's drafters for this step's draft, as many tokens as its schedule wants and can be used."""
     room = s.room
     s.proposal = first_draft(s.drafters, s.ids, lambda d: min(s.run.next_k(d), room), s.sampler,
-                             s.run.min_confidence, s.target.clock)
+                             s.run.min_confidence, s.cache.clock)
     s.stats.draft_forward_passes += s.proposal.forward_passes
     s.stats.draft_s += s.proposal.total_seconds
 
@@ -168,11 +170,9 @@ def choose_verified(decoding: list[GenerationState], prefill_rows: int, costs: P
         s.verified = n
 
 
-def time_share(s: GenerationState, sequences: int, rows: int, costs: PassCosts | None) -> float:
+def time_share(s: GenerationState, sequences: int, rows: int, costs: PassCosts) -> float:
     """The share of a batched step's time (`sequences` generations, `rows` rows in all) that the generation's rows
     would have cost alone (for its schedule, which learns the time of a plain step from its steps)."""
-    if costs is None:
-        return (s.verified + 1) / rows
     return min(1.0, costs.rows(s.verified + 1) / costs.batch(sequences, rows))
 
 
@@ -192,7 +192,7 @@ def accept(s: GenerationState, logits, verify_s: float) -> Chunk:
     s.stats.new_tokens += len(new)
     if finish is None and len(s.ids) >= s.context:
         finish = "context"
-    s.stats.total_s = s.target.clock() - s.started
+    s.stats.total_s = s.cache.clock() - s.started
     if finish:
         s.finish = finish
         s.stats.finish_reason = finish

@@ -23,7 +23,7 @@ Drafters never see the target's cache and never decide acceptance; the generatio
 drafters in turn (cheapest first) and keeps the first non-empty draft: the generation loop and
 `CompositeDrafter` both use it. A model drafter keeps its tensors on its model's device (its cache makes
 ids there, and q rows are made from its logits); `first_draft` times each proposal with the clock given
-(the target's, `LanguageModel.clock`).
+(the generation's: its cache's `clock`, on the target's device).
 """
 
 from __future__ import annotations

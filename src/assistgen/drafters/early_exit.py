@@ -42,7 +42,7 @@ class EarlyExitDrafter(Drafter):
     ):
         if not target.capabilities.first_layers:
             raise ValueError(f"early exit does not support {target.name}: its backend cannot run its first layers "
-                             "as a model of their own (no decoder layer list with a final norm and head was found)")
+                             "as a model of their own (no decoder layer list with an output head was found)")
         self.calibration: list[dict] | None = None  # the table of calibrate_exit_layer, when it ran
         self.agreement: float | None = None
         if layers is None:

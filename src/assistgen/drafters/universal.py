@@ -1,6 +1,6 @@
 """Universal assisted generation: an assistant whose tokenizer differs from the target's.
 
-Contract: `UniversalDrafter` is a drafter like any other (see `drafters.py`): it proposes target
+Contract: `UniversalDrafter` is a drafter like any other (see `drafters/base.py`): it proposes target
 token ids. Inside, it keeps the assistant's own token sequence and KV cache and translates between
 the two tokenizations through text.
 

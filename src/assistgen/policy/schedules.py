@@ -2,7 +2,7 @@
 
 Contract: a schedule is split in two. The `Schedule` the user passes holds settings only: a frozen
 dataclass, shared freely between generations and threads, never changed by a generation. Its
-    prepare(target, parts, prompt_length, greedy, budget) -> ScheduleRun
+    prepare(target, drafters, prompt_length, greedy, budget) -> ScheduleRun
 is called once per generation, before the first step (drafters: cheapest first; greedy:
 whether the generation is greedy; budget: the most new tokens it may emit, None when unknown), and
 returns that generation's `ScheduleRun`, which holds
@@ -261,6 +261,7 @@ class Adaptive:
     cost_weight: float = 0.2  # EMA weight of a new timing (drafter cost, plain-step time; greedy runs only)
     min_confidence: float = 0.0
     curve: list[float] | None = None  # v[k] to price steps with; None: the target's measured verification costs
+    costs: list[float] | None = None  # the former name of `curve`, still accepted
     # c assumed for a model drafter before it is measured (and throughout a sampled generation); None: `cost_hint`
     drafter_cost_prior: float | None = None
 
@@ -271,6 +272,11 @@ class Adaptive:
                              f"{self.prior}, {self.unseen_floor}")
         if not 0.0 < self.cost_weight <= 1.0:
             raise ValueError(f"need 0 < cost_weight <= 1, got {self.cost_weight}")
+        if self.costs is not None:
+            if self.curve is not None:
+                raise ValueError("give the verification cost curve once: curve= (costs= is its former name)")
+            object.__setattr__(self, "curve", list(self.costs))
+            object.__setattr__(self, "costs", None)
 
     def prepare(self, target: LanguageModel | None, drafters: list[Drafter], prompt_length: int = 0,
                 greedy: bool = True, budget: int | None = None) -> AdaptiveRun:

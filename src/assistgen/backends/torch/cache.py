@@ -17,6 +17,7 @@ import torch
 
 from assistgen.backends.base import shared_prefix
 from assistgen.backends.torch import ragged
+from assistgen.backends.torch.timing import clock
 
 
 class KVCache:
@@ -32,6 +33,10 @@ class KVCache:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def clock(self) -> float:
+        """Seconds on a monotonic clock once this cache's device has finished its queued work."""
+        return clock(self.device)
 
     def feed(self, ids: list[int], logits_to_keep: int = 1) -> torch.Tensor:
         """Append `ids` to the cache; return the logits of the last `logits_to_keep` of them.

@@ -27,7 +27,6 @@ FINAL_NORMS = ("norm", "ln_f", "final_layernorm")
 def has_decoder_layers(hf: nn.Module) -> bool:
     try:
         decoder_layers(hf)
-        final_norm(hf)
     except ValueError:
         return False
     return True

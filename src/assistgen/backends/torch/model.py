@@ -3,12 +3,12 @@
 Contract: `Model(hf, tokenizer, name)` wraps a loaded module in eval mode and implements
 `backends.base.LanguageModel`: `new_cache()` gives a `KVCache` (preallocated keys and values written by
 position, `ragged.py`), `feed_together` runs one ragged forward pass over several caches, `clock()` waits
-for the model's device, `fingerprint()` keys measurements by the model, this machine and the model's set-up
-(quantization, linear routes, attention, KV layout). What loading and the transforms decide about the
-model is kept in its own fields (`quantization`, `quantized_layers`, `routes`), and what the policy
-measures in `costs`; nothing is stashed on the Hugging Face module. The first-layers capability
-(`truncated`, `exit_agreement`, `layer_costs`) is declared for models whose decoder layers `layers.py`
-can find.
+for the model's device, `optimize()` applies the transforms, `fingerprint()` keys measurements by the
+model, this machine and the model's set-up (quantization, linear routes, attention, KV layout). What
+loading and the transforms decide about the model is kept in its own fields (`quantization`,
+`quantized_layers`, `routes`), and what the policy measures in `costs`; nothing is stashed on the Hugging
+Face module. The first-layers capability (`truncated`, `exit_agreement`, `layer_costs`) is declared for
+models whose decoder layers `layers.py` can find.
 """
 
 from __future__ import annotations
@@ -101,6 +101,14 @@ class Model:
 
     def fingerprint(self, *extra: str) -> str:
         return measurement_key(self, *self.set_up(), *extra)
+
+    def optimize(self, mode: str = "auto", refresh: bool = False) -> None:
+        """The backend's optimization transforms (`transforms.optimize`); what was measured of the model before
+        no longer holds, so its `costs` are dropped."""
+        from assistgen.backends.torch.transforms import optimize
+
+        optimize(self, mode, refresh)
+        self.costs = None
 
     # --- capabilities.first_layers ------------------------------------------------------------------------
 

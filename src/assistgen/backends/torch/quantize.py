@@ -334,6 +334,7 @@ def quantize(model: Model, scheme: str) -> Model:
         replace_module(hf, name, new)
         del old
     model.quantization, model.quantized_layers = scheme, specs
+    model.costs = None  # measured of the unquantized model: no longer true
     return model
 
 
@@ -365,7 +366,7 @@ def save_quantized(model: Model, folder: Path) -> None:
         torch.save(hf.state_dict(), tmp / WEIGHTS)
         (tmp / META).write_text(json.dumps({"format": FORMAT, "scheme": model.quantization,
                                             "specs": model.quantized_layers, "torch": torch.__version__,
-                                            "int4_block": int4_block()}))
+                                            **({"int4_block": int4_block()} if model.quantization == "int4" else {})}))
 
 
 def is_saved(folder: Path) -> bool:

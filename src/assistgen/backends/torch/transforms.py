@@ -74,7 +74,7 @@ def _mkl_rows(weight: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     if rows == 1:
         flat = torch.cat([flat, torch.zeros_like(flat)])  # [2, in]
     elif not flat.is_contiguous():
-        # e.g. act(gate) * up of two earlier products, laid out as [in, rows]: MKL is ~4x slower on it
+        # e.g. act(gate) * up of two earlier products, laid out as [in, rows]: MKL is much slower on it
         flat = flat.contiguous()
     return (weight @ flat.T).T[:rows]
 
