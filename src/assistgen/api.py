@@ -42,12 +42,11 @@ class Generation:
     stats: Stats
 
 
-def load_model(spec: str, dtype=None, device="cpu", fast_linear: bool | str = "auto", quantize: str | None = None):
-    """Load `spec` (an embedded alias, a `.gguf` file, a local model folder or a hub id; `device`, `dtype` and
-    `quantize` as `backends.torch.loading.load` takes them), then `prepare` it unless `fast_linear` is False."""
-    import torch
-
-    model = load(spec, dtype=dtype if dtype is not None else torch.float32, device=device, quantize=quantize)
+def load_model(spec: str, fast_linear: bool | str = "auto", **loading):
+    """Load `spec` (an embedded alias, a `.gguf` file, a local model folder or a hub id; `dtype`, `device` and
+    `quantize` as `backends.torch.loading.load` takes them, with its defaults), then `prepare` it unless
+    `fast_linear` is False."""
+    model = load(spec, **loading)
     if fast_linear:
         prepare(model, fast_linear)
     return model

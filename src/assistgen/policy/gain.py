@@ -71,7 +71,7 @@ def best_lookahead(rates: list[float], curve: list[float], c: float, k_max: int)
 
 
 def lookahead(rates: list[list[float] | None], drafted: list[int], cost: Callable[[int], float], fixed_rows: int,
-              rooms: list[int | None] | None = None, curve: list[float] | None = None) -> list[int]:
+              rooms: list[int | None] | None = None, curve: list[float] | tuple[float, ...] = ()) -> list[int]:
     """How many of its `drafted[i]` draft tokens each sequence of one step verifies (drafting is paid already).
 
     The step's cost is cost(N) = t(N) / t(1) for its N rows in all: `fixed_rows` (every other row of the step,
@@ -82,7 +82,7 @@ def lookahead(rates: list[list[float] | None], drafted: list[int], cost: Callabl
     to fewer rows), so a step is never planned slower per token than verifying no draft at all. For one
     sequence that is the k maximising E(k) / v[k]. Then, near its end (`rooms[i]`: the draft tokens it can
     still use, when its whole draft is that long), a sequence verifies them all when `finishing_pays` on its own
-    `curve` (v[k]; default: cost(k + 1) for one sequence)."""
+    `curve` (v[k], given with `rooms`)."""
     n = len(rates)
     k = [d if r is None else 0 for r, d in zip(rates, drafted, strict=True)]
     fixed_rows += sum(k)
@@ -105,7 +105,6 @@ def lookahead(rates: list[list[float] | None], drafted: list[int], cost: Callabl
     for a in order[:best]:
         k[adds[a][1]] += 1
     if rooms is not None:
-        curve = curve if curve is not None else [cost(j + 1) for j in range(max(drafted, default=0) + 1)]
         for i, (r, room) in enumerate(zip(rates, rooms, strict=True)):
             if r is not None and room is not None and k[i] < room <= drafted[i]:
                 gain = expected_gain(r, k[i], curve) if k[i] else 1.0

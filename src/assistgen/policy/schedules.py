@@ -92,7 +92,7 @@ def verified_lengths(runs: list[ScheduleRun], drafts: list[Draft], drafter_names
     else:
         sequences, base = len(drafts) + (1 if prefill_rows else 0), len(drafts) + prefill_rows
         chosen = lookahead(rates, drafted, lambda rows: costs.batch(sequences, base, rows - base), base,
-                           rooms=rooms, curve=list(costs.curve))
+                           rooms=rooms, curve=costs.curve)
     return [max(0, min(n, room)) for n, room in zip(chosen, rooms, strict=True)]
 
 
@@ -305,14 +305,12 @@ class AdaptiveRun:
         self.probes = 0
         self.last_drafter = ""
         self.costs: PassCosts | None = None  # None for plain decoding: nothing to choose
-        self.curve: list[float] | None = None  # v[k] of `costs`
         if not drafters:
             return
         if settings.curve is not None:
             self.costs = PassCosts.from_curve(settings.curve, like=target.costs if target is not None else None)
         else:
             self.costs = pass_costs(target)
-        self.curve = list(self.costs.curve)
         for drafter in drafters:
             self.drafter_cost.setdefault(drafter.name, prior_cost(drafter, target, settings.drafter_cost_prior))
             if drafter.acceptance_prior is not None and drafter.name not in self.acceptance:  # early exit's agreement
@@ -330,6 +328,11 @@ class AdaptiveRun:
             self.acceptance[source] = Acceptance(s.prior, s.weight, s.max_k + 1, start,
                                                  s.unseen_floor if free else 0.0)
         return self.acceptance[source]
+
+    @property
+    def curve(self) -> tuple[float, ...]:
+        """v[k] of the costs this run prices with."""
+        return self.costs.curve
 
     def is_free(self, drafter_name: str) -> bool:
         return self.drafter_cost.get(drafter_name, 0.0) < self.settings.free_cost

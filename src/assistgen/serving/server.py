@@ -261,19 +261,21 @@ def sse(payload: Any) -> str:
 
 
 async def completions(body: CompletionRequest, http: HTTPRequest):
-    state = state_of(http)
-    check_model(state, body.model)
-    prompt = completion_prompt(body.prompt)
-    job = submit(state, body, encoded(state, lambda: encode_prompt(state.engine.target, prompt), "prompt"), http)
-    return await respond(state, body, job, False, http)
+    return await generation(http, body, lambda target: encode_prompt(target, completion_prompt(body.prompt)), "prompt",
+                            chat=False)
 
 
 async def chat_completions(body: ChatRequest, http: HTTPRequest):
+    messages = message_dicts(body.messages)
+    return await generation(http, body, lambda target: encode_chat(target, messages), "messages", chat=True)
+
+
+async def generation(http: HTTPRequest, body: Sampling, encode: Callable, param: str, chat: bool) -> Response:
+    """Both endpoints: check the model named, encode the prompt (`param`: the field it came from), submit, answer."""
     state = state_of(http)
     check_model(state, body.model)
-    messages = message_dicts(body.messages)
-    job = submit(state, body, encoded(state, lambda: encode_chat(state.engine.target, messages), "messages"), http)
-    return await respond(state, body, job, True, http)
+    job = submit(state, body, encoded(state, lambda: encode(state.engine.target), param), http)
+    return await respond(state, body, job, chat, http)
 
 
 async def models(http: HTTPRequest):
