@@ -1,17 +1,25 @@
-"""Load test of `assistgen serve`: aggregate tok/s and latency under 1..16 concurrent streaming clients.
+"""Load test of OpenAI-compatible servers: `assistgen serve` and `llama-server`, driven by the same client.
 
-Contract: for each configuration (plain: no drafter; lookup: `--lookup` speculation) it starts the server
-itself (`python -m assistgen.cli.main serve` on a free 127.0.0.1 port), and for each concurrency c runs c
+Contract: for each configuration (assistgen: plain, lookup, ngram (the n-gram cache), assistant (`--draft`, same
+tokenizer), universal (`--universal`, another tokenizer), each with `--backend`; llama.cpp's `llama-server`
+(`--llama-server BIN`): llama, llama-ngram (`--spec-type ngram-simple`), llama-ngram-mod (`ngram-mod`),
+llama-draft (`--draft` as its draft model, `draft-simple`)) it starts the server
+itself on a free 127.0.0.1 port, and for each concurrency c runs c
 clients sharing `--round-requests` streamed chat completions (each client takes the next prompt when its
 last one is done) over prompts of the suite (first turn of each record, optionally of some
 `--categories` only, cycled in a fixed order: every configuration gets the same requests), then stops the
 server. It measures aggregate completion tokens per second
 (tokens of all requests / wall time of the round), p50/p95 time to first token and inter-token latency
 (the gap between successive streamed text chunks as the client sees them: one per verification step,
-which may carry several tokens). Prints a table, the speculation / plain ratio per concurrency, then one
-JSON line; writes a PNG of tok/s vs concurrency.
+which may carry several tokens) and decode tok/s (each request's tokens after its first over the time from its
+first to its last chunk, summed over requests). Every request goes through the official `openai` client
+(AsyncOpenAI, streamed chat completions, greedy), and the peak RSS of each server process is read from
+/proc. Prints a table, each configuration's ratio to the first one per concurrency, then one JSON line; writes a
+PNG of tok/s vs concurrency.
 
     python benchmarks/serve_load.py --model smollm2-135m --concurrency 1 2 4 8 16 --round-requests 16 --max-tokens 64
+    python benchmarks/serve_load.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --universal smollm2-135m \
+        --llama-server build/bin/llama-server --configs llama llama-ngram lookup ngram assistant --concurrency 1 8
 """
 
 from __future__ import annotations
@@ -29,10 +37,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import openai
 
+from assistgen.backends.embedded import EMBEDDED
 from assistgen.bench.dataset import default_suite, read_prompts
 
-CONFIGS = {"plain": [], "lookup": ["--lookup"]}
+ASSISTGEN = {"plain": [], "lookup": ["--lookup"], "ngram": ["--ngram-cache"], "assistant": ["--assistant", "{draft}"],
+             "universal": ["--assistant", "{universal}"]}
+LLAMA_SERVER = {"llama": [], "llama-ngram": ["--spec-type", "ngram-simple"],
+                "llama-ngram-mod": ["--spec-type", "ngram-mod"],
+                "llama-draft": ["-md", "{draft_gguf}", "--spec-type", "draft-simple"]}
+CONFIGS = [*ASSISTGEN, *LLAMA_SERVER]
 
 
 @dataclass
@@ -41,12 +56,17 @@ class Round:
     concurrency: int
     tokens: int = 0
     seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
+    rss_mb: float = 0.0
 
     def row(self) -> dict:
         return {"config": self.config, "concurrency": self.concurrency, "tokens": self.tokens,
                 "tok_s": self.tokens / self.seconds if self.seconds else 0.0,
+                "decode_tok_s": self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0,
+                "peak_rss_mb": self.rss_mb,
                 "ttft_p50": percentile(self.ttft, 50), "ttft_p95": percentile(self.ttft, 95),
                 "itl_p50": percentile(self.itl, 50), "itl_p95": percentile(self.itl, 95)}
 
@@ -63,11 +83,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, flags: list[str], port: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "assistgen.cli.main", "serve", "--model", args.model, "--port", str(port), *flags]
+def server_command(args, config: str, port: int) -> list[str]:
+    fill = {"draft": args.draft, "universal": args.universal,
+            "draft_gguf": str(gguf_of(args.draft)) if args.draft else ""}
+    if config in LLAMA_SERVER:
+        if not args.llama_server:
+            raise SystemExit(f"{config} needs --llama-server BIN")
+        flags = [f.format(**fill) for f in LLAMA_SERVER[config]]
+        return [args.llama_server, "-m", str(gguf_of(args.model)), "--port", str(port), "--host", "127.0.0.1",
+                "-t", str(args.threads), "-c", str(args.context * args.parallel), "-np", str(args.parallel),
+                "--jinja", "--temp", "0", *flags]
+    flags = [f.format(**fill) for f in ASSISTGEN[config]]
+    command = [sys.executable, "-m", "assistgen.cli.main", "serve", "--model", args.model, "--port", str(port),
+               "--backend", args.backend, *flags]
     if args.max_batch:
         command += ["--max-batch", str(args.max_batch)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    return command
+
+
+def gguf_of(spec: str) -> Path:
+    return EMBEDDED[spec].gguf_path() if spec in EMBEDDED else Path(spec)
+
+
+def start_server(args, config: str, port: int) -> subprocess.Popen:
+    process = subprocess.Popen(server_command(args, config, port), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + args.start_timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -76,9 +116,22 @@ def start_server(args, flags: list[str], port: int) -> subprocess.Popen:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                 return process
         except httpx.TransportError:
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)
     process.terminate()
     raise RuntimeError("the server did not start in time")
+
+
+def peak_rss_mb(process: subprocess.Popen) -> float:
+    """VmHWM of the server process (and its children, for a wrapper) in MiB."""
+    try:
+        with open(f"/proc/{process.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
 
 
 def stop_server(process: subprocess.Popen) -> None:
@@ -89,61 +142,69 @@ def stop_server(process: subprocess.Popen) -> None:
         process.kill()
 
 
-async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int, result: Round):
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "stream": True, "stream_options": {"include_usage": True}}
+async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, result: Round):
     started = time.perf_counter()
-    last = None
-    async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                result.tokens += event["usage"]["completion_tokens"]
-            content = "".join(c.get("delta", {}).get("content") or "" for c in event.get("choices", []))
-            if not content:
-                continue
-            now = time.perf_counter()
-            if last is None:
-                result.ttft.append(now - started)
-            else:
-                result.itl.append(now - last)
-            last = now
+    first = last = None
+    tokens = 0
+    events = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+        stream=True, stream_options={"include_usage": True})
+    async for event in events:
+        if event.usage:
+            tokens = event.usage.completion_tokens
+        content = "".join(c.delta.content or "" for c in event.choices if c.delta)
+        if not content:
+            continue
+        now = time.perf_counter()
+        if first is None:
+            first = now
+            result.ttft.append(now - started)
+        else:
+            result.itl.append(now - last)
+        last = now
+    result.tokens += tokens
+    if first is not None and last > first and tokens > 1:
+        result.decode_tokens += tokens - 1
+        result.decode_seconds += last - first
 
 
 async def run_round(url: str, args, config: str, concurrency: int, prompts: list[str]) -> Round:
     result = Round(config, concurrency)
 
     queue = list(range(args.round_requests))
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", timeout=args.request_timeout, max_retries=0)
 
-    async def client(http: httpx.AsyncClient):
+    async def one_client():
         while queue:
             prompt = prompts[queue.pop(0) % len(prompts)]
-            await one_request(http, url, args.model, prompt, args.max_tokens, result)
+            await one_request(client, args.model, prompt, args.max_tokens, result)
 
-    async with httpx.AsyncClient(timeout=args.request_timeout) as http:
-        started = time.perf_counter()
-        await asyncio.gather(*(client(http) for _ in range(concurrency)))
-        result.seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    await asyncio.gather(*(one_client() for _ in range(concurrency)))
+    result.seconds = time.perf_counter() - started
+    await client.close()
     return result
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'config':<8}{'clients':>8}{'tokens':>8}{'tok/s':>8}{'ttft p50':>10}{'ttft p95':>10}"
-             f"{'itl p50':>9}{'itl p95':>9}"]
+    lines = [f"{'config':<16}{'clients':>8}{'tokens':>8}{'tok/s':>8}{'decode':>8}{'ttft p50':>10}{'ttft p95':>10}"
+             f"{'itl p50':>9}{'itl p95':>9}{'RSS MiB':>9}"]
     for r in rows:
-        lines.append(f"{r['config']:<8}{r['concurrency']:>8}{r['tokens']:>8}{r['tok_s']:>8.1f}{r['ttft_p50']:>10.3f}"
-                     f"{r['ttft_p95']:>10.3f}{r['itl_p50']:>9.3f}{r['itl_p95']:>9.3f}")
+        lines.append(f"{r['config']:<16}{r['concurrency']:>8}{r['tokens']:>8}{r['tok_s']:>8.1f}"
+                     f"{r['decode_tok_s']:>8.1f}{r['ttft_p50']:>10.3f}{r['ttft_p95']:>10.3f}{r['itl_p50']:>9.3f}"
+                     f"{r['itl_p95']:>9.3f}{r['peak_rss_mb']:>9.0f}")
     return "\n".join(lines)
 
 
-def speculation_ratios(rows: list[dict]) -> dict[int, float]:
-    """{concurrency: lookup tok/s / plain tok/s} where both ran."""
-    by = {(r["config"], r["concurrency"]): r["tok_s"] for r in rows}
-    return {c: by[("lookup", c)] / by[("plain", c)] for (config, c) in by
-            if config == "lookup" and by.get(("plain", c))}
+def ratios_to_first(rows: list[dict]) -> dict[str, dict[int, float]]:
+    """{config: {concurrency: its tok/s / the first configuration's tok/s}}."""
+    first = rows[0]["config"]
+    base = {r["concurrency"]: r["tok_s"] for r in rows if r["config"] == first}
+    out: dict[str, dict[int, float]] = {}
+    for r in rows:
+        if r["config"] != first and base.get(r["concurrency"]):
+            out.setdefault(r["config"], {})[r["concurrency"]] = r["tok_s"] / base[r["concurrency"]]
+    return out
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -169,7 +230,14 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=["plain", "lookup"])
+    parser.add_argument("--backend", default="auto", help="assistgen serve --backend")
+    parser.add_argument("--draft", help="the same-tokenizer draft model (assistant, llama-draft)")
+    parser.add_argument("--universal", help="an assistant with another tokenizer (universal)")
+    parser.add_argument("--llama-server", help="llama.cpp's llama-server binary (the llama* configs)")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama-server -t")
+    parser.add_argument("--parallel", type=int, default=8, help="llama-server -np (slots)")
+    parser.add_argument("--context", type=int, default=4096, help="llama-server context per slot")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     parser.add_argument("--round-requests", type=int, default=16, help="streamed requests per round, over its clients")
     parser.add_argument("--categories", nargs="+", help="only prompts of these suite categories")
@@ -187,20 +255,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for config in args.configs:
         port = free_port()
-        process = start_server(args, CONFIGS[config], port)
+        process = start_server(args, config, port)
         try:
             for concurrency in args.concurrency:
                 result = asyncio.run(run_round(f"http://127.0.0.1:{port}", args, config, concurrency, prompts))
+                result.rss_mb = peak_rss_mb(process)
                 rows.append(result.row())
                 print(f"{config} x{concurrency}: {rows[-1]['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
         finally:
             stop_server(process)
     print(table(rows))
-    ratios = speculation_ratios(rows)
-    for concurrency, ratio in ratios.items():
-        print(f"clients {concurrency}: lookup / plain tok/s = {ratio:.2f}x")
+    ratios = ratios_to_first(rows)
+    for config, by in ratios.items():
+        print(f"{config} / {rows[0]['config']} tok/s: " + ", ".join(f"{c} clients {r:.2f}x" for c, r in by.items()))
     print(json.dumps({"model": args.model, "max_tokens": args.max_tokens, "round_requests": args.round_requests,
-                      "categories": args.categories, "rows": rows, "lookup_over_plain": ratios}))
+                      "categories": args.categories, "rows": rows, "ratios_to_first": ratios}))
     args.plot.parent.mkdir(parents=True, exist_ok=True)
     plot(rows, args.plot)
     print(f"plot: {args.plot}", file=sys.stderr)

@@ -19,4 +19,4 @@ def one_thread():
 def smollm2():
     from assistgen import load_model
 
-    return load_model("smollm2-135m", fast_linear=False)
+    return load_model("smollm2-135m", backend="torch", fast_linear=False)

@@ -23,7 +23,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "assistgen"
 LAYERS = {"config": 0, "stats": 0, "paths": 0, "backends": 1, "core": 2, "drafters": 2, "policy": 2, "api": 3,
           "serving": 4, "bench": 4, "cli": 5, "__init__": 5}
-MODEL_MODULES = ("torch.nn", "transformers")  # what only the backends may import
+MODEL_MODULES = ("torch.nn", "transformers", "llama_cpp")  # what only the backends may import
 
 
 def module_name(path: Path) -> str:

@@ -7,7 +7,8 @@ import torch
 from helpers import encode, tiny_llama
 
 from assistgen import generate, load_model
-from assistgen.backends.torch.loading import EMBEDDED, ModelLoadError, converted_dir
+from assistgen.backends.embedded import EMBEDDED, ModelLoadError
+from assistgen.backends.torch.loading import converted_dir
 
 
 def test_local_model_folder_loads_and_generates_the_same(tmp_path):
@@ -31,7 +32,7 @@ def fake_split(tmp_path, monkeypatch, contents: list[bytes], sha: str | None = N
     """An embedded model whose GGUF is split over fake part packages (importable modules in tmp_path)."""
     import hashlib
 
-    from assistgen.backends.torch.loading import EmbeddedModel, SplitGGUF
+    from assistgen.backends.embedded import EmbeddedModel, SplitGGUF
 
     for i, data in enumerate(contents, 1):
         pkg = tmp_path / "site" / f"{prefix}{i}"
@@ -75,7 +76,7 @@ def test_a_joined_file_that_is_no_gguf_is_removed_and_named(tmp_path, monkeypatc
 
 def test_a_missing_extra_names_its_install_command(monkeypatch, tmp_path):
     monkeypatch.setenv("ASSISTGEN_CACHE", str(tmp_path))
-    from assistgen.backends.torch.loading import EmbeddedModel, SplitGGUF
+    from assistgen.backends.embedded import EmbeddedModel, SplitGGUF
 
     entry = EmbeddedModel("absent", "absent-part1..3", "pip install -e '.[qwen]' (or `make qwen`)", "absent",
                           split=SplitGGUF("assistgen_absent_part", 3, 10, "0" * 64, "1.0"))

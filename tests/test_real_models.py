@@ -29,14 +29,14 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm2_fast():
-    model = load_model("smollm2-135m", fast_linear="on")
+    model = load_model("smollm2-135m", backend="torch", fast_linear="on")
     assert is_applied(model.hf)
     return model
 
 
 @pytest.fixture(scope="module")
 def gemma3():
-    return load_model("gemma3-270m", fast_linear="on")
+    return load_model("gemma3-270m", backend="torch", fast_linear="on")
 
 
 def assert_exact_or_near_tie(model: Model, prompt: list[int], reference: list[int], ours: list[int]) -> None:
@@ -100,7 +100,7 @@ def test_cli_generate_and_models(capsys):
     assert "top_p must be in (0, 1]" in capsys.readouterr().err
     assert main(["generate", "--model", "smollm2-135m", "--early-exit", "99", "hi"]) == 2
     assert "early exit" in capsys.readouterr().err
-    assert main(["calibrate", "--model", "smollm2-135m"]) == 0
+    assert main(["calibrate", "--model", "smollm2-135m", "--backend", "torch"]) == 0
     out = capsys.readouterr().out
     assert "k=0:1.00" in out and "linear route by rows: 1-" in out
 

@@ -1,7 +1,7 @@
 """assistgen: exact assisted (speculative) generation for causal language models, behind one backend seam."""
 
 from assistgen.api import Generation, generate, load_model, prepare, stream
-from assistgen.backends.torch.loading import ModelLoadError
+from assistgen.backends.embedded import ModelLoadError
 from assistgen.backends.torch.model import Model
 from assistgen.config import ConfigError, GenerationConfig
 from assistgen.drafters.assistant import AssistantDrafter, TokenizerMismatchError

@@ -5,7 +5,7 @@ Contract: turns user-facing arguments (model names or objects, a prompt string o
 assistant, sampling settings) into a target model (`backends.base.LanguageModel`), a drafter, a schedule
 and a `GenerationConfig`, checks them, and runs `engine.stream`. Bad input raises `ConfigError` or
 `ModelLoadError` (ValueErrors) whose message says what is wrong and how to fix it. Getting a model
-ready is two explicit steps: loading (`backends.torch.loading.load`, which quantizes when asked) and
+ready is two explicit steps: loading (`backends.loader.load`, on the chosen backend) and
 `prepare(model)` (the backend's optimization transforms, then the policy's cost measurements, kept in
 the model's own `costs` field); `load_model` runs both, as the CLI, the server and the bench do.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 
 from assistgen.backends.base import LanguageModel
-from assistgen.backends.torch.loading import load
+from assistgen.backends.loader import load
 from assistgen.config import ConfigError, GenerationConfig
 from assistgen.core.engine import Chunk
 from assistgen.core.engine import stream as run_loop
@@ -42,11 +42,12 @@ class Generation:
     stats: Stats
 
 
-def load_model(spec: str, fast_linear: bool | str = "auto", **loading):
-    """Load `spec` (an embedded alias, a `.gguf` file, a local model folder or a hub id; `dtype`, `device` and
-    `quantize` as `backends.torch.loading.load` takes them, with its defaults), then `prepare` it unless
-    `fast_linear` is False."""
-    model = load(spec, **loading)
+def load_model(spec: str, fast_linear: bool | str = "auto", backend: str = "auto", **loading):
+    """Load `spec` (an embedded alias, a `.gguf` file, a local model folder or a hub id) on `backend` ("auto":
+    llama.cpp for a GGUF file on the CPU when it is installed, else torch: `backends.loader`), with that
+    backend's options (torch: `dtype`, `device`, `quantize`; llama.cpp: `context`, `sequences`, `threads`, ...;
+    their defaults are the backend's), then `prepare` it unless `fast_linear` is False."""
+    model = load(spec, backend, **loading)
     if fast_linear:
         prepare(model, fast_linear)
     return model

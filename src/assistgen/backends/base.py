@@ -10,7 +10,8 @@ layers above it touch a forward pass:
                                       tensors on `model.device`, in order;
     cache.feed(ids, keep) / crop(n) / fork() / len(cache) / cache.tokens / cache.sync(ids) / cache.clock()
                                       (the model's clock on the device the cache lives on, found once)
-plus what decoding needs to know: `name`, `tokenizer` (a Hugging Face-style tokenizer: `__call__`,
+plus what decoding needs to know: `name`, `backend` (the library's name, for messages and reports),
+`tokenizer` (a Hugging Face-style tokenizer: `__call__`,
 `decode`, `get_vocab`, `convert_ids_to_tokens`, `apply_chat_template`), `vocab_size` (the width of the
 logits), `eos_token_ids`, `context_length` (None when unbounded), `device` (where logits, and the
 tensors made from them, live), `weight_bytes` (what a forward pass reads, for the policy's cost prior),
@@ -67,6 +68,7 @@ Feed = tuple[Cache, list[int], int]  # (cache, new token ids, how many of the la
 
 class LanguageModel(Protocol):
     name: str
+    backend: str  # which library computes the logits: "torch" | "llama.cpp"
     tokenizer: Any
     cache_key: str | None
     costs: Any  # the policy's measurements of this model (`policy.costs.PassCosts`), None until measured
@@ -103,6 +105,14 @@ class LanguageModel(Protocol):
     def exit_agreement(self, ids: list[int], positions: int | None) -> list[float]: ...
 
     def layer_costs(self) -> list[float]: ...
+
+
+def synced(cache: Cache, ids: list[int], keep_last: int = 1) -> list[int]:
+    """`Cache.sync` for any backend: crop `cache` to the longest prefix it shares with `ids`, leaving at least
+    `keep_last` of them unfed; returns the tokens of `ids` that still have to be fed."""
+    common = max(0, min(shared_prefix(cache.tokens, ids), len(ids) - keep_last))
+    cache.crop(common)
+    return ids[common:]
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:

@@ -91,12 +91,13 @@ def run_command(args: argparse.Namespace) -> int:
         raise ValueError("--repeats must be at least 1.")
     where = placement(args)
     target = load_model(args.model, **loading(args))
-    assistant = load_model(args.assistant, **loading(args)) if args.assistant else None
+    assistant = load_model(args.assistant, **loading(args, assistant=True)) if args.assistant else None
     runner = Runner(target, assistant, args.max_new_tokens, args.chat, args.turn, args.seed)
     if args.quantize and any(m.engine == "hf" for m in methods):
-        runner.hf_target = load_model(args.model, fast_linear=False, **where)
+        runner.hf_target = load_model(args.model, fast_linear=False, **{**where, "backend": "torch"})
         if assistant is not None and any(m.engine == "hf" and m.needs_assistant for m in methods):
-            runner.hf_assistant = load_model(args.assistant, fast_linear=False, **where)
+            runner.hf_assistant = load_model(args.assistant, fast_linear=False,
+                                             **{**placement(args, assistant=True), "backend": "torch"})
     records, ran = run_bench(runner, prompts, methods, temperatures, Path(args.out) if args.out else None,
                              terminal_progress, args.repeats)
     curve = None if args.no_cost_curve else list(pass_costs(target).curve)

@@ -11,9 +11,10 @@ import argparse
 import sys
 
 from assistgen.api import load_model, stream
-from assistgen.backends.torch.loading import EMBEDDED, ModelLoadError, converted_dir, is_cached, is_installed
+from assistgen.backends.embedded import EMBEDDED, ModelLoadError, is_installed
+from assistgen.backends.torch.loading import converted_dir, is_cached
 from assistgen.bench.dataset import DatasetError
-from assistgen.cli.options import add_placement, add_quantize, loading, placement, settings_from
+from assistgen.cli.options import add_placement, add_quantize, loading, settings_from
 from assistgen.config import ConfigError
 from assistgen.policy.schedules import parse_schedule
 
@@ -91,7 +92,7 @@ def add_serve(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     target = load_model(args.model, **loading(args))
-    assistant = load_model(args.assistant, **loading(args)) if args.assistant else None
+    assistant = load_model(args.assistant, **loading(args, assistant=True)) if args.assistant else None
     last = None
     for chunk in stream(target, prompt, assistant=assistant, lookup=args.lookup, schedule=args.schedule,
                         chat=args.chat, early_exit=args.early_exit or False, ngram_cache=args.ngram_cache,
@@ -135,12 +136,13 @@ def runs(values: list, start: int) -> list[tuple[int, int, object]]:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from assistgen.api import prepare
-    from assistgen.backends.torch.loading import load
+    from assistgen.backends.loader import load
     from assistgen.backends.torch.transforms import routes_path
     from assistgen.policy.costs import costs_path
 
-    model = prepare(load(args.model, quantize=args.quantize, **placement(args)), refresh=args.refresh)
-    routes, record = model.routes, model.costs.record
+    given = {k: v for k, v in loading(args).items() if k != "fast_linear"}
+    model = prepare(load(args.model, **given), refresh=args.refresh)
+    routes, record = getattr(model, "routes", None), model.costs.record
     costs = record["verification_costs"]
     print(f"{model.name}: cost of verifying k draft tokens relative to one plain step, v(k) = t(k+1)/t(1)")
     print("  " + " ".join(f"k={k}:{v:.2f}" for k, v in enumerate(costs)))
@@ -163,7 +165,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from assistgen.serving.server import ServerSettings, serve
 
     target = load_model(args.model, **loading(args))
-    assistant = load_model(args.assistant, **loading(args)) if args.assistant else None
+    assistant = load_model(args.assistant, **loading(args, assistant=True)) if args.assistant else None
     drafters = partial(make_drafter, target, assistant, args.lookup, args.early_exit or False)
     drafters()  # bad drafter options fail here, before the server starts
     schedule = as_schedule(args.schedule) if args.schedule is not None else default_schedule()

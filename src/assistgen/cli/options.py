@@ -1,14 +1,17 @@
 """Command-line options shared by the commands: where models run and how they are loaded.
 
-Contract: `add_quantize` and `add_placement` declare --quantize, --device and --dtype on a parser; `placement`
-and `loading` turn the parsed values into the keyword arguments `assistgen.load_model` takes (only those
-given: no default is re-declared here); `settings_from` gives the generation settings a command was given.
+Contract: `add_quantize` and `add_placement` declare --quantize, --backend, --assistant-backend, --device,
+--dtype, --context and --sequences on a parser; `placement` and `loading` turn the parsed values into the
+keyword arguments `assistgen.load_model` takes (only those given: no default is re-declared here, and an option
+of the other backend is refused by the loader, not dropped); `settings_from` gives the generation settings a
+command was given.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from assistgen.backends.loader import BACKENDS
 from assistgen.backends.torch.loading import DTYPES
 from assistgen.backends.torch.quantize import SCHEMES
 
@@ -19,22 +22,42 @@ def add_quantize(p: argparse.ArgumentParser) -> None:
 
 
 def add_placement(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", help="where the model(s) run: cpu (default), cuda or cuda:N")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="what computes the logits: torch, llama.cpp (GGUF files, CPU), or auto (default: llama.cpp "
+                        "for a GGUF model on the CPU when llama-cpp-python is installed and no torch-only option "
+                        "is given, else torch)")
+    p.add_argument("--assistant-backend", choices=BACKENDS,
+                   help="the assistant's backend (default: --backend)")
+    p.add_argument("--device", help="torch backend: where the model(s) run: cpu (default), cuda or cuda:N")
     p.add_argument("--dtype", choices=list(DTYPES),
-                   help="weights and activations (default float32; bfloat16 is the usual choice on a GPU)")
+                   help="torch backend: weights and activations (default float32; bfloat16 is usual on a GPU)")
+    p.add_argument("--context", type=int,
+                   help="llama.cpp backend: KV cells of each model's context, shared by its sequences "
+                        "(default: the model's trained context, at most 4096)")
+    p.add_argument("--sequences", type=int,
+                   help="llama.cpp backend: sequences that can live at once in a context (default 32)")
 
 
-def placement(args: argparse.Namespace) -> dict:
-    """load_model's device= and dtype= from --device and --dtype, only those given."""
-    out = {"device": args.device} if args.device else {}
+def placement(args: argparse.Namespace, assistant: bool = False) -> dict:
+    """load_model's backend=, device=, dtype=, context= and sequences= from the command line, only those given."""
+    backend = (args.assistant_backend or args.backend) if assistant else args.backend
+    out = {"backend": backend}
+    if args.device:
+        out["device"] = args.device
     if args.dtype:
         out["dtype"] = DTYPES[args.dtype]
+    for name in ("context", "sequences"):
+        if getattr(args, name, None) is not None:
+            out[name] = getattr(args, name)
     return out
 
 
-def loading(args: argparse.Namespace) -> dict:
-    """load_model's keyword arguments from --quantize, --no-fast-linear (where the command has it) and placement."""
-    out = {"quantize": args.quantize, **placement(args)}
+def loading(args: argparse.Namespace, assistant: bool = False) -> dict:
+    """load_model's keyword arguments from --quantize, --no-fast-linear (where the command has it) and placement
+    (the assistant's with `assistant`)."""
+    out = {**placement(args, assistant)}
+    if args.quantize:
+        out["quantize"] = args.quantize
     if getattr(args, "no_fast_linear", False):
         out["fast_linear"] = False
     return out

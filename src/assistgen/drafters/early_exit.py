@@ -41,6 +41,10 @@ class EarlyExitDrafter(Drafter):
         verify_cost: list[float] | None = None,
     ):
         if not target.capabilities.first_layers:
+            if target.backend != "torch":
+                raise ValueError(f"early exit needs the target's own first layers, which the {target.backend} "
+                                 f"backend cannot run as a model of their own: load {target.name} with "
+                                 "backend='torch' (--backend torch), or draft with --lookup or an assistant")
             raise ValueError(f"early exit does not support {target.name}: its backend cannot run its first layers "
                              "as a model of their own (no decoder layer list with an output head was found)")
         self.calibration: list[dict] | None = None  # the table of calibrate_exit_layer, when it ran

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from assistgen.backends.base import shared_prefix
+from assistgen.backends.base import synced
 from assistgen.backends.torch import ragged
 from assistgen.backends.torch.timing import clock
 
@@ -66,9 +66,7 @@ class KVCache:
 
         Returns the tokens of `ids` that still have to be fed.
         """
-        common = max(0, min(shared_prefix(self.tokens, ids), len(ids) - keep_last))
-        self.crop(common)
-        return ids[common:]
+        return synced(self, ids, keep_last)
 
 
 def feed_together(feeds: list[tuple[KVCache, list[int], int]]) -> list[torch.Tensor]:

@@ -38,6 +38,7 @@ class Model:
     routes: dict | None = None  # the small-row linear routes' record (`transforms.tune_routes`), when applied
     costs: Any = None  # the policy's measurements (`policy.costs.PassCosts`); the backend never reads it
     capabilities: Capabilities = field(init=False)
+    backend = "torch"
 
     def __post_init__(self):
         self.capabilities = Capabilities(first_layers=layers.has_decoder_layers(self.hf))

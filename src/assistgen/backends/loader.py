@@ -1,0 +1,58 @@
+"""Choosing a backend and loading a model on it: `load(spec, backend="auto" | "torch" | "llama.cpp", ...)`.
+
+Contract: "auto" picks llama.cpp for a GGUF file (an embedded alias or a `.gguf` path) on the CPU when
+llama-cpp-python is installed and nothing only the torch backend does was asked for (`dtype`, `quantize`,
+a GPU); everything else loads on torch. Options that belong to one backend are refused on the other with
+a message naming the fix, never ignored: `dtype`, `device` and `quantize` are the torch backend's;
+`context`, `sequences`, `threads`, `repack` and `flash_attention` (`LlamaSettings`) are llama.cpp's.
+Bad specs raise `ModelLoadError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from assistgen.backends.embedded import EMBEDDED, ModelLoadError
+from assistgen.backends.llamacpp import loading as llama_loading
+from assistgen.backends.llamacpp.model import LlamaSettings
+
+BACKENDS = ("auto", "torch", "llama.cpp")
+TORCH_OPTIONS = ("dtype", "device", "quantize")
+LLAMA_OPTIONS = tuple(f.name for f in fields(LlamaSettings))
+
+
+def choose_backend(spec: str, backend: str = "auto", **options) -> str:
+    """The backend `load` would use for `spec` with these options."""
+    if backend not in BACKENDS:
+        raise ModelLoadError(f"Unknown backend {backend!r}: use one of {', '.join(BACKENDS)}.")
+    if backend != "auto":
+        return backend
+    if any(options.get(k) is not None for k in LLAMA_OPTIONS):
+        return "llama.cpp"
+    gguf = isinstance(spec, str) and (spec.strip() in EMBEDDED or spec.strip().endswith(".gguf"))
+    torch_only = any(options.get(k) is not None for k in ("dtype", "quantize")) or \
+        str(options.get("device") or "cpu") != "cpu"
+    return "llama.cpp" if gguf and not torch_only and llama_loading.available() else "torch"
+
+
+def load(spec: str, backend: str = "auto", **options):
+    """Load `spec` on the chosen backend; `options` are the backend's own (None: its default)."""
+    unknown = set(options) - set(TORCH_OPTIONS) - set(LLAMA_OPTIONS)
+    if unknown:
+        raise ModelLoadError(f"Unknown loading option {', '.join(sorted(unknown))}: the torch backend takes "
+                             f"{', '.join(TORCH_OPTIONS)}; the llama.cpp backend takes {', '.join(LLAMA_OPTIONS)}.")
+    chosen = choose_backend(spec, backend, **options)
+    given = {k: v for k, v in options.items() if v is not None}
+    if chosen == "llama.cpp":
+        wrong = [k for k in given if k in TORCH_OPTIONS and not (k == "device" and str(given[k]) == "cpu")]
+        if wrong:
+            raise ModelLoadError(f"{', '.join(wrong)} belong to the torch backend; llama.cpp runs the GGUF file's "
+                                 "own weight types on the CPU. Use backend='torch' (--backend torch) for them.")
+        return llama_loading.load(spec, LlamaSettings(**{k: v for k, v in given.items() if k in LLAMA_OPTIONS}))
+    wrong = [k for k in given if k in LLAMA_OPTIONS]
+    if wrong:
+        raise ModelLoadError(f"{', '.join(wrong)} belong to the llama.cpp backend: use backend='llama.cpp' "
+                             "(--backend llama.cpp) with a GGUF file.")
+    from assistgen.backends.torch.loading import load as torch_load
+
+    return torch_load(spec, **given)
