@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.assistgen-installed
 
-.PHONY: install llamacpp demo test lint bench clean qwen test-qwen gpu-check
+.PHONY: install llamacpp demo test test-slow lint bench clean qwen test-qwen gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,25 +22,35 @@ install: $(STAMP)
 # The llama.cpp backend: llama-cpp-python's Python bindings, with only the two libraries they load (libllama,
 # libggml*) built from the llama.cpp sources in its sdist, so that the same version of both is used. This skips
 # the parts of the full `pip install 'assistgen[llamacpp]'` build that assistgen never calls (llama.cpp's common
-# library and the multimodal one): about 4 minutes on 2 cores instead of 7.5. Built without llamafile's sgemm,
-# whose multi-row kernels round a row differently from the one-row path (docs/benchmarks.md).
+# library and the multimodal one): about 4 minutes on 2 cores instead of 7.5. Built so that a row's logits are the
+# same bits whatever shares its pass (docs/benchmarks.md): without llamafile's sgemm, and with ggml's CPU backend
+# set to its reference kernels (the one line the sed changes: no tiled matmul or attention, no split-KV attention
+# for one-row passes, no op fusion); the marker file tells the backend (`LlamaModel.row_exact`).
 LLAMA_CPP_PY := 0.3.36
-LLAMA_STAMP := $(VENV)/.llamacpp-$(LLAMA_CPP_PY)
 LLAMA_BUILD := build/llama.cpp-$(LLAMA_CPP_PY)
-$(LLAMA_STAMP): | $(STAMP)
+LLAMA_SRC := $(LLAMA_BUILD)/llama_cpp_python-$(LLAMA_CPP_PY)
+LLAMA_LIBS := $(LLAMA_BUILD)/cmake/bin/libllama.so
+LLAMA_STAMP := $(VENV)/.llamacpp-$(LLAMA_CPP_PY)
+
+# The libraries need no venv: `make test` builds them while pip installs the rest.
+$(LLAMA_LIBS):
 	rm -rf $(LLAMA_BUILD) && mkdir -p $(LLAMA_BUILD)
-	$(BIN)/pip download --quiet --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PY) -d $(LLAMA_BUILD)
-	tar xzf $(LLAMA_BUILD)/llama_cpp_python-$(LLAMA_CPP_PY).tar.gz -C $(LLAMA_BUILD)
-	CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(BIN)/pip install --quiet \
-		$(LLAMA_BUILD)/llama_cpp_python-$(LLAMA_CPP_PY).tar.gz
-	cmake -S $(LLAMA_BUILD)/llama_cpp_python-$(LLAMA_CPP_PY)/vendor/llama.cpp -B $(LLAMA_BUILD)/cmake \
+	$(PY) -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PY) -d $(LLAMA_BUILD)
+	tar xzf $(LLAMA_SRC).tar.gz -C $(LLAMA_BUILD)
+	sed -i 's/ctx->use_ref             = false;/ctx->use_ref             = true;/' \
+		$(LLAMA_SRC)/vendor/llama.cpp/ggml/src/ggml-cpu/ggml-cpu.cpp
+	cmake -S $(LLAMA_SRC)/vendor/llama.cpp -B $(LLAMA_BUILD)/cmake \
 		-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF \
 		-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DGGML_LLAMAFILE=OFF \
 		-DCMAKE_INSTALL_RPATH='$$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON > $(LLAMA_BUILD)/configure.log
 	cmake --build $(LLAMA_BUILD)/cmake --target llama -j$$(nproc) > $(LLAMA_BUILD)/build.log
+
+$(LLAMA_STAMP): $(LLAMA_LIBS) | $(STAMP)
+	CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(BIN)/pip install --quiet $(LLAMA_SRC).tar.gz
 	lib=$$($(BIN)/python -c "import importlib.util, pathlib; \
 		print(pathlib.Path(importlib.util.find_spec('llama_cpp').origin).parent / 'lib')") && \
-		mkdir -p $$lib && cp -P $(LLAMA_BUILD)/cmake/bin/lib*.so* $$lib/
+		mkdir -p $$lib && cp -P $(LLAMA_BUILD)/cmake/bin/lib*.so* $$lib/ && \
+		echo "llamafile=off cpu-reference-kernels=on" > $$lib/assistgen-row-exact
 	$(BIN)/python -c "import llama_cpp.llama_cpp as l; print('llama.cpp:', l.llama_print_system_info().decode())"
 	touch $(LLAMA_STAMP)
 
@@ -49,8 +59,14 @@ llamacpp: $(LLAMA_STAMP)
 demo: install
 	$(BIN)/assistgen demo
 
-test: install llamacpp
-	$(BIN)/python -m pytest -q tests --ignore=tests/qwen
+test:
+	$(MAKE) -j2 install $(LLAMA_LIBS)
+	$(MAKE) llamacpp
+	$(BIN)/python -m pytest -q tests --ignore=tests/qwen -m "not slow" --durations=15
+
+# More of the same chi-squared sampling checks and the int8 real-model check (about 5 minutes).
+test-slow: install llamacpp
+	$(BIN)/python -m pytest -q tests --ignore=tests/qwen -m slow
 
 # Optional: the Qwen2.5-Coder 1.5B/0.5B pair (1.6 GB of packages) and its slow exactness suite.
 qwen: install llamacpp

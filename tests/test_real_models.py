@@ -125,7 +125,7 @@ def test_universal_gemma3_drafted_by_smollm2_is_exact(gemma3, smollm2_fast, name
     assert_exact_or_near_tie(gemma3, ids, plain.token_ids, ours.token_ids)
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", [pytest.param("int8", marks=pytest.mark.slow), "int4"])
 def test_quantized_real_models_speculate_token_for_token_like_plain_decoding(scheme):
     """No near-tie exception with quantized weights: every drafter gives plain decoding's tokens exactly."""
     from assistgen.backends.torch.quantize import QuantizedLinear, row_independent

@@ -130,8 +130,12 @@ def assert_lossless(counts, checks, probs, positions: int = 3, min_checks: int =
     assert p > 0.001, f"assisted samples do not follow the target distribution (p={p:.2e})"
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("drafter", ["assistant", "lookup"])
+SLOW = pytest.mark.slow  # `make test-slow`: more of the same chi-squared checks (docs/benchmarks.md)
+
+
+@pytest.mark.parametrize("drafter,setting", [
+    ("assistant", "t0.7-topk5-topp0.9"), pytest.param("assistant", "plain-t1", marks=SLOW),
+    pytest.param("lookup", "plain-t1", marks=SLOW), pytest.param("lookup", "t0.7-topk5-topp0.9", marks=SLOW)])
 def test_speculative_sampling_is_lossless(models, setting, drafter):
     target, assistant = models
     kwargs = {"assistant": assistant} if drafter == "assistant" else {"lookup": True}
@@ -142,7 +146,7 @@ def test_speculative_sampling_is_lossless(models, setting, drafter):
     assert_lossless(counts, checks, exact_distribution(target, **SETTINGS[setting]), positions, min_checks)
 
 
-@pytest.mark.parametrize("drafter", ["assistant", "lookup"])
+@pytest.mark.parametrize("drafter", ["lookup", pytest.param("assistant", marks=SLOW)])
 def test_adaptive_policy_sampling_is_lossless(models, drafter):
     """The cost-aware policy (cheap made-up costs: it drafts, trims and checks unverified tokens) stays lossless."""
     target, assistant = models
@@ -152,6 +156,7 @@ def test_adaptive_policy_sampling_is_lossless(models, drafter):
     assert_lossless(counts, checks, exact_distribution(target, temperature=1.0), positions=2, min_checks=50)
 
 
+@SLOW
 def test_direct_sampling_matches_too(models):
     """The plain loop's sampler itself follows the target distribution (guards the reference)."""
     target, _ = models
@@ -176,7 +181,7 @@ def broken_later_positions(p, q, draft, sampler):
     return assistgen.core.sampling.verify_speculative(p, q, draft, sampler)
 
 
-@pytest.mark.parametrize("broken", [broken_residual_from_p, broken_accept_if_likely])
+@pytest.mark.parametrize("broken", [broken_residual_from_p, pytest.param(broken_accept_if_likely, marks=SLOW)])
 def test_the_test_detects_a_broken_acceptance_rule(models, far_assistant, monkeypatch, broken):
     target, _ = models
     monkeypatch.setattr(assistgen.core.engine, "verify_speculative", broken)

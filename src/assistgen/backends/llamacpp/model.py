@@ -44,14 +44,13 @@ class LlamaSettings:
     sequences: int = 32  # sequences that can live at once (requests and their forks, drafts included)
     threads: int | None = None  # None: the CPUs this process may run on
     # The defaults make a row's logits independent of how many rows share its pass and of which other sequences
-    # do (bitwise, measured on the embedded models: docs/benchmarks.md), given a llama.cpp built without
-    # llamafile's sgemm (`make llamacpp`): weights in the file's own layout (repack=False; llama.cpp's repacked
-    # layouts are faster for one row, but their multi-row kernels round differently), flash attention on (without it
-    # a row depends on where its sequence's cells lie), and passes computed in ubatches of fewer than 64 rows (the
-    # CPU flash attention tiles 64 query rows or more another way).
+    # do (bitwise, measured on the embedded models: docs/benchmarks.md), given `make llamacpp`'s build (no
+    # llamafile sgemm, ggml's reference CPU kernels): weights in the file's own layout (repack=False; llama.cpp's
+    # repacked layouts are faster for one row, but their multi-row kernels round differently) and flash attention
+    # on (without it a row depends on where its sequence's cells lie in the shared buffer).
     repack: bool = False
     flash_attention: bool = True
-    ubatch: int = 63
+    ubatch: int = 512  # rows llama.cpp computes at once (a longer feed is split)
 
     def thread_count(self) -> int:
         import os
@@ -111,10 +110,11 @@ class LlamaModel:
 
     @property
     def row_exact(self) -> bool:
-        """Whether this build and these settings give a row the same bits whatever shares its pass."""
-        info = self.lib.llama_print_system_info().decode(errors="replace")
+        """Whether this build and these settings give a row the same bits whatever shares its pass: `make llamacpp`'s
+        build (its marker beside the library) and the default settings."""
+        marker = Path(self.lib._lib._name).parent / "assistgen-row-exact"
         s = self.settings
-        return not s.repack and s.flash_attention and s.ubatch < 64 and "LLAMAFILE = 1" not in info
+        return marker.is_file() and not s.repack and s.flash_attention
 
     @property
     def weight_bytes(self) -> int:
