@@ -211,8 +211,8 @@ def test_small_vocabularies_intersect_partially(small_mixed):
     assert inter.size == 7  # a..g; 'ab' and 'h' are outside
 
 
-@pytest.mark.parametrize("settings", [{"temperature": 1.0},
-                                      pytest.param({"temperature": 0.8, "top_k": 6, "top_p": 0.95}, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("settings", [{"temperature": 1.0}, pytest.param(
+    {"temperature": 0.8, "top_k": 6, "top_p": 0.95}, marks=pytest.mark.slow)],
                          ids=["t1", "t0.8-topk6-topp0.95"])
 def test_universal_sampling_is_lossless(small_mixed, settings, one_thread):
     from test_sampling import assert_lossless, exact_distribution, sample
