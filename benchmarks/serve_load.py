@@ -241,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     parser.add_argument("--round-requests", type=int, default=16, help="streamed requests per round, over its clients")
     parser.add_argument("--categories", nargs="+", help="only prompts of these suite categories")
+    parser.add_argument("--per-category", type=int, help="only the first N prompts of each category")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-batch", type=int, help="passed to the server (default: EngineSettings')")
     parser.add_argument("--prompts", type=Path, default=default_suite())
@@ -249,7 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request-timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
 
-    prompts = [p.turns[0] for p in read_prompts(args.prompts) if not args.categories or p.category in args.categories]
+    records = [p for p in read_prompts(args.prompts) if not args.categories or p.category in args.categories]
+    if args.per_category:
+        kept: dict[str, list] = {}
+        for record in records:
+            if len(kept.setdefault(record.category, [])) < args.per_category:
+                kept[record.category].append(record)
+        records = [r for group in kept.values() for r in group]
+    prompts = [p.turns[0] for p in records]
     if not prompts:
         parser.error(f"no prompts of categories {args.categories} in {args.prompts}")
     rows = []

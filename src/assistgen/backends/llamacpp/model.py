@@ -127,7 +127,8 @@ class LlamaModel:
         s = self.settings
         parts = [self.cache_key or self.name, str(self.path.stat().st_size), "llama.cpp",
                  self.lib.llama_print_system_info().decode(errors="replace"), platform.machine(), _cpu_name(),
-                 f"threads={s.thread_count()}", f"repack={s.repack}", f"flash={s.flash_attention}", *extra]
+                 f"threads={s.thread_count()}", f"repack={s.repack}", f"flash={s.flash_attention}",
+                 f"library={Path(self.lib._lib._name).resolve()}", f"row_exact={self.row_exact}", *extra]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
     def optimize(self, mode: str = "auto", refresh: bool = False) -> None:
