@@ -124,3 +124,30 @@ def broken_residual_from_p(p, q, draft, sampler):
 def verified(run, draft, drafter_name: str, room: int = 1 << 30) -> int:
     """How many of `draft`'s tokens the generation loop verifies for one sequence under the schedule run `run`."""
     return verified_lengths([run], [draft], [drafter_name], [room], run.costs)[0]
+
+
+def start_serve_command(*flags: str, timeout: float = 120):
+    """`assistgen serve` started as a user starts it, on a free 127.0.0.1 port, once it answers /health.
+    Returns (process, port); its output is piped to `process.stdout`."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "assistgen.cli.main", "serve", *flags, "--port", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None or time.monotonic() >= deadline:
+            process.kill()
+            raise AssertionError("the server did not start")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return process, port
+        except httpx.TransportError:
+            time.sleep(0.2)

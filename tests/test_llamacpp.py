@@ -9,6 +9,7 @@ import struct
 
 import pytest
 import torch
+from helpers import start_serve_command
 
 from assistgen import ConfigError, ModelLoadError, generate, load_model, stream
 from assistgen.api import encode_prompt
@@ -266,30 +267,12 @@ def test_the_server_on_llama_cpp_answers_concurrent_streams_like_single_requests
     sequences have come and gone, a new one's KV cells need not lie in position order in the shared buffer, and
     flash attention sums them in cell order: docs/benchmarks.md.)"""
     import signal
-    import socket
-    import subprocess
-    import sys
-    import time
     from concurrent.futures import ThreadPoolExecutor
 
-    import httpx
     import openai
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, "-m", "assistgen.cli.main", "serve", "--model", "smollm2-135m", "--backend",
-               "llama.cpp", "--lookup", "--port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process, port = start_serve_command("--model", "smollm2-135m", "--backend", "llama.cpp", "--lookup")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", timeout=60, max_retries=0)
         prompts = [f"{w} one, {w} two, {w} one, {w} two, {w} one," for w in ("red", "blue", "cat", "sun")]
         singles = [client.completions.create(model="smollm2-135m", prompt=p, max_tokens=16).choices[0].text

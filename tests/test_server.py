@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +16,7 @@ import openai
 import pytest
 import schemathesis
 import uvicorn
+from helpers import start_serve_command
 from hypothesis import HealthCheck, given, settings
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -263,20 +262,8 @@ def test_fuzz_never_5xx(small):
 
 def test_the_command_serves_and_exits_0_on_sigterm(tmp_path):
     """`assistgen serve` as a user starts it: it answers, and SIGTERM stops it cleanly (exit status 0)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, "-m", "assistgen.cli.main", "serve", "--model", NAME, "--lookup", "--port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process, port = start_serve_command("--model", NAME, "--lookup")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", timeout=60, max_retries=0)
         assert client.completions.create(model=NAME, prompt=REPEATING, max_tokens=4).usage.completion_tokens == 4
         process.send_signal(signal.SIGTERM)

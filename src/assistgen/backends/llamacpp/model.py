@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from assistgen.backends.base import Capabilities, Feed, synced
+from assistgen.backends.machine import cpu_name
 
 
 class LlamaCapacityError(ValueError):
@@ -126,7 +127,7 @@ class LlamaModel:
     def fingerprint(self, *extra: str) -> str:
         s = self.settings
         parts = [self.cache_key or self.name, str(self.path.stat().st_size), "llama.cpp",
-                 self.lib.llama_print_system_info().decode(errors="replace"), platform.machine(), _cpu_name(),
+                 self.lib.llama_print_system_info().decode(errors="replace"), platform.machine(), cpu_name(),
                  f"threads={s.thread_count()}", f"repack={s.repack}", f"flash={s.flash_attention}",
                  f"library={Path(self.lib._lib._name).resolve()}", f"row_exact={self.row_exact}", *extra]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
@@ -298,14 +299,3 @@ def _groups(feeds: list[Feed], capacity: int) -> list[list[Feed]]:
 def _free(lib, model_ptr, context_ptr, batch) -> None:
     lib.llama_free(context_ptr)
     lib.llama_model_free(model_ptr)
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()

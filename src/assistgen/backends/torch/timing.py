@@ -10,13 +10,13 @@ policies or routes.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import platform
 import time
 
 import torch
 
+from assistgen.backends.machine import cpu_name
 from assistgen.backends.torch.devices import accelerator, model_device
 
 
@@ -31,7 +31,7 @@ def machine(device: torch.device | str | None = None) -> list[str]:
     """Software versions, processor, threads, and for a `device` on a GPU its name and compute capability."""
     from transformers import __version__ as transformers_version
 
-    return [torch.__version__, transformers_version, platform.machine(), _cpu_name(), str(torch.get_num_threads()),
+    return [torch.__version__, transformers_version, platform.machine(), cpu_name(), str(torch.get_num_threads()),
             *accelerator(device)]
 
 
@@ -40,15 +40,3 @@ def measurement_key(model, *extra: str) -> str:
     parts = [model.cache_key or model.name, str(sum(p.numel() for p in model.hf.parameters())),
              *machine(model_device(model.hf)), *extra]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-
-
-@functools.cache
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
