@@ -22,10 +22,10 @@ install: $(STAMP)
 # The llama.cpp backend: llama-cpp-python's Python bindings, with only the two libraries they load (libllama,
 # libggml*) built from the llama.cpp sources in its sdist, so that the same version of both is used. This skips
 # the parts of the full `pip install 'assistgen[llamacpp]'` build that assistgen never calls (llama.cpp's common
-# library and the multimodal one): about 4 minutes on 2 cores instead of 7.5. Built so that a row's logits are the
-# same bits whatever shares its pass (docs/benchmarks.md): without llamafile's sgemm, and with ggml's CPU backend
-# set to its reference kernels (the one line the sed changes: no tiled matmul or attention, no split-KV attention
-# for one-row passes, no op fusion); the marker file tells the backend (`LlamaModel.row_exact`).
+# library and the multimodal one): under 3 minutes on 2 cores instead of 7.5. patches/llama.cpp-row-exact.patch
+# adds a switch between ggml's fastest CPU kernels and its reference ones, on which a row's result does not
+# depend on the other rows of its pass (docs/benchmarks.md): the backend verifies on the reference kernels and
+# runs prompts on the fast ones (`LlamaModel.row_exact`).
 LLAMA_CPP_PY := 0.3.36
 LLAMA_BUILD := build/llama.cpp-$(LLAMA_CPP_PY)
 LLAMA_SRC := $(LLAMA_BUILD)/llama_cpp_python-$(LLAMA_CPP_PY)
@@ -33,15 +33,14 @@ LLAMA_LIBS := $(LLAMA_BUILD)/cmake/bin/libllama.so
 LLAMA_STAMP := $(VENV)/.llamacpp-$(LLAMA_CPP_PY)
 
 # The libraries need no venv: `make test` builds them while pip installs the rest.
-$(LLAMA_LIBS):
+$(LLAMA_LIBS): patches/llama.cpp-row-exact.patch
 	rm -rf $(LLAMA_BUILD) && mkdir -p $(LLAMA_BUILD)
 	$(PY) -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PY) -d $(LLAMA_BUILD)
 	tar xzf $(LLAMA_SRC).tar.gz -C $(LLAMA_BUILD)
-	sed -i 's/ctx->use_ref             = false;/ctx->use_ref             = true;/' \
-		$(LLAMA_SRC)/vendor/llama.cpp/ggml/src/ggml-cpu/ggml-cpu.cpp
+	patch -p1 -s -d $(LLAMA_SRC)/vendor/llama.cpp < patches/llama.cpp-row-exact.patch
 	cmake -S $(LLAMA_SRC)/vendor/llama.cpp -B $(LLAMA_BUILD)/cmake \
 		-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF \
-		-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DGGML_LLAMAFILE=OFF \
+		-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF \
 		-DCMAKE_INSTALL_RPATH='$$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON > $(LLAMA_BUILD)/configure.log
 	cmake --build $(LLAMA_BUILD)/cmake --target llama -j$$(nproc) > $(LLAMA_BUILD)/build.log
 
@@ -49,8 +48,7 @@ $(LLAMA_STAMP): $(LLAMA_LIBS) | $(STAMP)
 	CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(BIN)/pip install --quiet $(LLAMA_SRC).tar.gz
 	lib=$$($(BIN)/python -c "import importlib.util, pathlib; \
 		print(pathlib.Path(importlib.util.find_spec('llama_cpp').origin).parent / 'lib')") && \
-		mkdir -p $$lib && cp -P $(LLAMA_BUILD)/cmake/bin/lib*.so* $$lib/ && \
-		echo "llamafile=off cpu-reference-kernels=on" > $$lib/assistgen-row-exact
+		mkdir -p $$lib && rm -f $$lib/assistgen-row-exact && cp -P $(LLAMA_BUILD)/cmake/bin/lib*.so* $$lib/
 	$(BIN)/python -c "import llama_cpp.llama_cpp as l; print('llama.cpp:', l.llama_print_system_info().decode())"
 	touch $(LLAMA_STAMP)
 

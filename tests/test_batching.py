@@ -183,16 +183,22 @@ def test_pass_costs_follow_the_measured_curve_past_one_sequence(one_thread):
     assert costs.rows(2 * WIDE_ROWS[-1]) == pytest.approx(record["wide_costs"][-1] + slope * WIDE_ROWS[-1])
 
 
-def test_prefill_budget_is_shared_earliest_first(one_thread):
-    from assistgen.core.engine import prefill_rows
+def test_prefill_budget_is_shared_earliest_first_in_aligned_chunks(one_thread):
+    from assistgen.core.engine import PROMPT_ALIGN, prefill_rows
 
     model = tiny_llama()
     config = GenerationConfig(max_new_tokens=4, eos_token_ids=())
-    seqs = [begin(model, encode(t), NoDrafter(), Adaptive(), config) for t in ("abcdef", "ghijklmnop", "qrs")]
-    plan = prefill_rows(seqs, 8)
-    assert [len(plan.get(id(s), [])) for s in seqs] == [5, 3, 0]  # a sequence's cache stops one token short
-    assert sum(map(len, prefill_rows(seqs, None).values())) == 5 + 9 + 2
-    chunks = step(seqs, 8)
-    assert chunks == [None, None, None] and [len(s.cache) for s in seqs] == [5, 3, 0]
-    chunks = step(seqs, 8)  # the first decodes, the second finishes its prompt, the third starts
-    assert chunks[0] is not None and chunks[1:] == [None, None] and [len(s.cache) for s in seqs][1:] == [9, 2]
+    texts = ("abcdef", "ghijklmnop" * 4, "qrs")
+    seqs = [begin(model, encode(t), NoDrafter(), Adaptive(), config) for t in texts]
+    need = [len(s.ids) - 1 for s in seqs]  # a sequence's cache stops one token short
+    budget = need[0] + PROMPT_ALIGN + 1
+    plan = prefill_rows(seqs, budget)
+    # the second's chunk does not end its prompt, so it is cut to a multiple of PROMPT_ALIGN; the third waits
+    assert [len(plan.get(id(s), [])) for s in seqs] == [need[0], PROMPT_ALIGN, 0]
+    assert sum(map(len, prefill_rows(seqs, None).values())) == sum(need)
+    assert prefill_rows(seqs[1:], 5) == {id(seqs[1]): seqs[1].ids[:5]}  # a budget below it still feeds one
+    chunks = step(seqs, budget)
+    assert chunks == [None, None, None] and [len(s.cache) for s in seqs] == [need[0], PROMPT_ALIGN, 0]
+    chunks = step(seqs, need[1] - PROMPT_ALIGN)  # the first decodes, the second finishes its prompt, the third waits
+    assert chunks[0] is not None and chunks[1:] == [None, None]
+    assert [len(s.cache) for s in seqs][1:] == [need[1], 0]

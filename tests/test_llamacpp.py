@@ -192,6 +192,25 @@ def test_the_batched_engine_steps_requests_together_with_their_single_outputs(sm
     assert engine.largest_batch >= 2
 
 
+def test_a_request_after_others_gets_a_fresh_processs_output(smol):
+    """Regression: a finished request's cells were given back only when it was garbage collected, so the next
+    request's rows landed below the freed ones and llama.cpp computed them differently (0.43 in a logit)."""
+    from functools import partial
+
+    from assistgen.api import default_schedule, make_drafter
+
+    prompts = [f"{w} one, {w} two, {w} one, {w} two, {w} one," for w in ("sun", "red", "sun")]
+    alone = generate(smol, prompts[0], max_new_tokens=16).token_ids
+    engine = BatchEngine(smol, partial(make_drafter, smol), default_schedule()).start()
+    try:
+        config = GenerationConfig(max_new_tokens=16)
+        got = [[t for chunk in engine.submit(list(smol.tokenizer(p)["input_ids"]), config) for t in chunk.tokens]
+               for p in prompts]
+    finally:
+        engine.shutdown(timeout=30)
+    assert got[0] == got[2] == alone
+
+
 def test_capacity_errors_are_clear_and_leave_the_context_usable():
     model = load_model("smollm2-135m", backend="llama.cpp", context=256, sequences=2, fast_linear=False)
     assert model.context_length == 256

@@ -4,7 +4,8 @@ Contract: "auto" picks llama.cpp for a GGUF file (an embedded alias or a `.gguf`
 llama-cpp-python is installed and nothing only the torch backend does was asked for (`dtype`, `quantize`,
 a GPU); everything else loads on torch. Options that belong to one backend are refused on the other with
 a message naming the fix, never ignored: `dtype`, `device` and `quantize` are the torch backend's;
-`context`, `sequences`, `threads`, `repack` and `flash_attention` (`LlamaSettings`) are llama.cpp's.
+`context`, `sequences`, `threads`, `repack`, `flash_attention` and `exact_prompts` (`LlamaSettings`) are
+llama.cpp's.
 Bad specs raise `ModelLoadError`.
 """
 

@@ -132,13 +132,21 @@ def step(states: list[GenerationState], prefill_budget: int | None = None) -> li
     return [chunks.get(id(s)) for s in states]
 
 
+PROMPT_ALIGN = 16  # a prompt chunk that does not end the prompt is a multiple of this many rows
+
+
 def prefill_rows(prefilling: list[GenerationState], budget: int | None) -> dict[int, list[int]]:
     """{id(state): the prompt tokens it feeds this step}, earliest first, `budget` tokens in all (None: no limit).
-    The cache always ends one short of the sequence."""
+    The cache always ends one short of the sequence. Chunks other than a prompt's last are multiples of
+    PROMPT_ALIGN rows, so that kernels that take rows in groups (llama.cpp's) group a prompt's rows the same way
+    whether it came in one feed or several."""
     rows = {}
     for s in prefilling:
         start, end = len(s.cache), len(s.ids) - 1
-        take = end - start if budget is None else min(end - start, budget)
+        if budget is None or budget >= end - start:
+            take = end - start
+        else:  # (a budget below PROMPT_ALIGN still feeds the first in line)
+            take = budget - budget % PROMPT_ALIGN or (0 if rows else budget)
         if take <= 0:
             break
         rows[id(s)] = s.ids[start : start + take]

@@ -183,15 +183,19 @@ class BatchEngine:
             try:
                 chunks = step([s for _, s in active], self.settings.prefill_budget)
             except Exception as e:  # noqa: BLE001 - a failed step ends its requests, not the engine
-                for request, _ in active:
+                for request, s in active:
                     request.error = f"{type(e).__name__}: {e}"
                     request.deliver(Chunk([], "", "error"))
+                    free_rows(s)
                 active = []
                 self.running = []
                 continue
             for (request, _), chunk in zip(active, chunks, strict=True):
                 if chunk is not None:
                     request.deliver(chunk)
+            for _, s in active:
+                if s.finish is not None:
+                    free_rows(s)
             active = [(r, s) for r, s in active if s.finish is None]
             self.running = [r for r, _ in active]
 
@@ -210,6 +214,14 @@ class BatchEngine:
         """Whether the request was cancelled; its last chunk is then delivered and its rows are dropped."""
         if not request.cancelled.is_set():
             return False
+        free_rows(sequence)
         sequence.stats.finish_reason = "cancelled"
         request.deliver(Chunk([], "", "cancelled", sequence.stats))
         return True
+
+
+def free_rows(sequence: GenerationState) -> None:
+    """Give back a finished sequence's cache rows now, not when it is garbage collected: on a backend whose
+    sequences share one pool of cells (llama.cpp), rows freed late leave holes below the running sequences'
+    rows, and a running sequence's next rows would land below its earlier ones."""
+    sequence.cache.crop(0)

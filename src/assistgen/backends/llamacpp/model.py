@@ -5,11 +5,13 @@ Contract: `LlamaModel` implements `backends.base.LanguageModel` over one llama.c
 pool of `settings.context` KV cells (a unified KV buffer: a fork is a metadata copy); each `LlamaCache` owns
 one sequence id, taken from the model's pool when it is made and given back (its cells removed) when it
 is dropped. `feed_together` is one `llama_decode` over a `llama_batch` that holds every feed's rows, each
-with its own sequence id and positions, logits asked only for the rows kept; it returns them as float32
+with its own sequence id and positions, logits asked only for the rows kept, on the row-exact kernels where the
+build has them (`row_exact`); a feed with rows that need no logits (a prompt) is decoded alone first, on the
+fastest kernels unless `settings.exact_prompts`. It returns the logits as float32
 CPU tensors. `crop` is `llama_memory_seq_rm`, `fork` is `llama_memory_seq_cp`. A sequence past the
 context, more live sequences than the context was built for, or a pool of KV cells that is full raise
 `LlamaCapacityError` (a ValueError) naming the setting that raises the bound; nothing is fed then. Calls
-into the context are serialized by a lock (a llama.cpp context is not thread-safe). The tokenizer is a
+into llama.cpp are serialized by one process-wide lock. The tokenizer is a
 Hugging Face tokenizer built from the same GGUF (`loading.py` checks it against llama.cpp's own).
 It declares no capabilities: llama.cpp cannot run the first N layers as a model of their own.
 """
@@ -44,13 +46,14 @@ class LlamaSettings:
     context: int | None = None  # KV cells shared by all sequences; None: min(the model's trained context, 4096)
     sequences: int = 32  # sequences that can live at once (requests and their forks, drafts included)
     threads: int | None = None  # None: the CPUs this process may run on
-    # The defaults make a row's logits independent of how many rows share its pass and of which other sequences
-    # do (bitwise, measured on the embedded models: docs/benchmarks.md), given `make llamacpp`'s build (no
-    # llamafile sgemm, ggml's reference CPU kernels): weights in the file's own layout (repack=False; llama.cpp's
-    # repacked layouts are faster for one row, but their multi-row kernels round differently) and flash attention
-    # on (without it a row depends on where its sequence's cells lie in the shared buffer).
-    repack: bool = False
-    flash_attention: bool = True
+    # On `make llamacpp`'s build (its patch: a switch to ggml's reference CPU kernels for a pass), a feed that asks
+    # logits for every row it adds (a verification, a decoding step) is computed by kernels that give each row the
+    # same bits whatever shares its pass; a feed with rows that need no logits (a prompt) goes through ggml's
+    # fastest kernels, alone in its pass, so the cells it leaves depend on its own tokens only. exact_prompts=True
+    # computes prompts row-exactly too (slower prefill; the cells then equal a token-by-token feed's).
+    repack: bool = True  # llama.cpp's repacked weight layouts (faster one-row and prompt kernels)
+    flash_attention: bool = True  # without it a row depends on where its sequence's cells lie in the shared buffer
+    exact_prompts: bool = False
     ubatch: int = 512  # rows llama.cpp computes at once (a longer feed is split)
 
     def thread_count(self) -> int:
@@ -86,7 +89,8 @@ class LlamaModel:
         self._n_batch = lib.llama_n_batch(context_ptr)
         self._eos = tuple(i for i in range(self._n_vocab) if lib.llama_vocab_is_eog(self._vocab, i))
         self._free_seqs = list(range(settings.sequences - 1, -1, -1))
-        self._lock = threading.Lock()
+        self._lock = _LOCK
+        self._switch = kernel_switch(lib)
         self._batch = _Batch(lib, self._n_batch)
         self._closer = weakref.finalize(self, _free, lib, model_ptr, context_ptr, self._batch)
 
@@ -111,11 +115,9 @@ class LlamaModel:
 
     @property
     def row_exact(self) -> bool:
-        """Whether this build and these settings give a row the same bits whatever shares its pass: `make llamacpp`'s
-        build (its marker beside the library) and the default settings."""
-        marker = Path(self.lib._lib._name).parent / "assistgen-row-exact"
-        s = self.settings
-        return marker.is_file() and not s.repack and s.flash_attention
+        """Whether a row whose logits are asked for gets the same bits whatever shares its pass: `make llamacpp`'s
+        build (its kernel switch) with flash attention on."""
+        return self._switch is not None and self.settings.flash_attention
 
     @property
     def weight_bytes(self) -> int:
@@ -183,14 +185,24 @@ class LlamaModel:
                 raise LlamaCapacityError(
                     f"{len(cache) + len(ids)} positions exceed the llama.cpp context of {self.name} "
                     f"({self._n_ctx}); load it with a longer one (LlamaSettings(context=...), --context).")
-        out: list[torch.Tensor] = []
-        for group in _groups(feeds, self._n_batch):
-            out.extend(self._decode(group))
-        return out
+        exact = self._switch is None or self.settings.exact_prompts
+        prompts = [] if exact else [i for i, (_, ids, keep) in enumerate(feeds) if keep < len(ids)]
+        out: list[torch.Tensor | None] = [None] * len(feeds)
+        for i in prompts:  # alone in its pass on the fastest kernels: its cells depend on its own tokens only
+            out[i] = self._decode([feeds[i]], exact=False)[0]
+        rest = [i for i in range(len(feeds)) if out[i] is None]
+        at = 0
+        for group in _groups([feeds[i] for i in rest], self._n_batch):
+            for i, logits in zip(rest[at:at + len(group)], self._decode(group, exact=True), strict=True):
+                out[i] = logits
+            at += len(group)
+        return out  # type: ignore[return-value]
 
-    def _decode(self, feeds: list[Feed]) -> list[torch.Tensor]:
+    def _decode(self, feeds: list[Feed], exact: bool) -> list[torch.Tensor]:
         keeps = [keep for _, _, keep in feeds]
         with self._lock:
+            if self._switch is not None:
+                self._switch(exact)
             self._batch.fill([(cache.seq, len(cache), ids, keep) for cache, ids, keep in feeds])
             rc = self.lib.llama_decode(self._ctx, self._batch.struct)
             if rc != 0:
@@ -283,12 +295,27 @@ class _Batch:
         self.struct.n_tokens = at
 
 
+_LOCK = threading.Lock()  # llama.cpp contexts are not thread-safe, and the kernel switch is process-wide
+
+
+def kernel_switch(lib):
+    """The function that turns ggml's row-exact CPU kernels on or off for the passes that follow (the one that
+    `make llamacpp`'s patch adds to libggml-cpu), or None on a build without it."""
+    path = Path(lib._lib._name).with_name("libggml-cpu.so")
+    try:
+        switch = ctypes.CDLL(str(path)).ggml_cpu_assistgen_row_exact
+    except (OSError, AttributeError):
+        return None
+    switch.argtypes, switch.restype = [ctypes.c_bool], None
+    return switch
+
+
 def _groups(feeds: list[Feed], capacity: int) -> list[list[Feed]]:
     """Feeds split into runs whose rows fit one batch (each feed is below the context, so below a batch)."""
-    groups: list[list[Feed]] = [[]]
+    groups: list[list[Feed]] = []
     rows = 0
     for feed in feeds:
-        if groups[-1] and rows + len(feed[1]) > capacity:
+        if not groups or rows + len(feed[1]) > capacity:
             groups.append([])
             rows = 0
         groups[-1].append(feed)
