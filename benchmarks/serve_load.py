@@ -61,9 +61,11 @@ class Round:
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     rss_mb: float = 0.0
+    by_category: dict[str, list[float]] = field(default_factory=dict)  # {category: [decode tokens, seconds]}
 
     def row(self) -> dict:
         return {"config": self.config, "concurrency": self.concurrency, "tokens": self.tokens,
+                "decode_by_category": {c: t / s if s else 0.0 for c, (t, s) in self.by_category.items()},
                 "tok_s": self.tokens / self.seconds if self.seconds else 0.0,
                 "decode_tok_s": self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0,
                 "peak_rss_mb": self.rss_mb,
@@ -142,7 +144,8 @@ def stop_server(process: subprocess.Popen) -> None:
         process.kill()
 
 
-async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, result: Round):
+async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, result: Round,
+                      category: str = ""):
     started = time.perf_counter()
     first = last = None
     tokens = 0
@@ -166,9 +169,13 @@ async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, max_t
     if first is not None and last > first and tokens > 1:
         result.decode_tokens += tokens - 1
         result.decode_seconds += last - first
+        mine = result.by_category.setdefault(category, [0, 0.0])
+        mine[0] += tokens - 1
+        mine[1] += last - first
 
 
-async def run_round(url: str, args, config: str, concurrency: int, prompts: list[str]) -> Round:
+async def run_round(url: str, args, config: str, concurrency: int, prompts: list[tuple[str, str]]) -> Round:
+    """prompts: (text, category)."""
     result = Round(config, concurrency)
 
     queue = list(range(args.round_requests))
@@ -176,8 +183,8 @@ async def run_round(url: str, args, config: str, concurrency: int, prompts: list
 
     async def one_client():
         while queue:
-            prompt = prompts[queue.pop(0) % len(prompts)]
-            await one_request(client, args.model, prompt, args.max_tokens, result)
+            prompt, category = prompts[queue.pop(0) % len(prompts)]
+            await one_request(client, args.model, prompt, args.max_tokens, result, category)
 
     started = time.perf_counter()
     await asyncio.gather(*(one_client() for _ in range(concurrency)))
@@ -193,6 +200,17 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{r['config']:<16}{r['concurrency']:>8}{r['tokens']:>8}{r['tok_s']:>8.1f}"
                      f"{r['decode_tok_s']:>8.1f}{r['ttft_p50']:>10.3f}{r['ttft_p95']:>10.3f}{r['itl_p50']:>9.3f}"
                      f"{r['itl_p95']:>9.3f}{r['peak_rss_mb']:>9.0f}")
+    return "\n".join(lines)
+
+
+def category_table(rows: list[dict]) -> str:
+    """Decode tok/s of each configuration (at each concurrency) per prompt category."""
+    categories = sorted({c for r in rows for c in r["decode_by_category"]})
+    head = f"{'decode tok/s':<22}" + "".join(f"{c[:10]:>11}" for c in categories)
+    lines = [head]
+    for r in rows:
+        cells = "".join(f"{r['decode_by_category'].get(c, 0.0):>11.1f}" for c in categories)
+        lines.append(f"{(r['config'] + ' x' + str(r['concurrency']))[:22]:<22}{cells}")
     return "\n".join(lines)
 
 
@@ -257,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             if len(kept.setdefault(record.category, [])) < args.per_category:
                 kept[record.category].append(record)
         records = [r for group in kept.values() for r in group]
-    prompts = [p.turns[0] for p in records]
+    prompts = [(p.turns[0], p.category) for p in records]
     if not prompts:
         parser.error(f"no prompts of categories {args.categories} in {args.prompts}")
     rows = []
@@ -273,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop_server(process)
     print(table(rows))
+    print(category_table(rows))
     ratios = ratios_to_first(rows)
     for config, by in ratios.items():
         print(f"{config} / {rows[0]['config']} tok/s: " + ", ".join(f"{c} clients {r:.2f}x" for c, r in by.items()))

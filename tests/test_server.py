@@ -219,7 +219,7 @@ def test_client_mistakes_are_4xx_with_openai_error_bodies(live):
         assert_error(http.post(url, json={"model": NAME, "prompt": "Hi", "n": 2}), 400, "n")
         assert_error(http.post(url, json={"model": NAME, "prompt": "Hi", "temperature": -1}), 400, "temperature")
         assert_error(http.post(url, json={"model": NAME, "prompt": "Hi", "max_tokens": 0}), 400, "max_tokens")
-        assert_error(http.post(url, json={"model": NAME, "prompt": ["a", "b"]}), 400, "prompt")
+        assert_error(http.post(url, json={"model": NAME, "prompt": []}), 400, "prompt")
         assert_error(http.post(url, json={"model": NAME, "prompt": "Hi", "max_tokens": 1000}), 400, "max_tokens")
         assert_error(http.post(url, json={"model": NAME, "prompt": "word " * 9000, "max_tokens": 1}), 400, "prompt")
         assert_error(http.post(url, json={"model": NAME, "prompt": [10**9]}), 400, "prompt")
@@ -229,6 +229,116 @@ def test_client_mistakes_are_4xx_with_openai_error_bodies(live):
     assert [m["id"] for m in models["data"]] == [NAME]
     with pytest.raises(openai.NotFoundError):
         live.client.completions.create(model="gpt-4", prompt="Hi", max_tokens=1)
+
+
+def test_max_completion_tokens_bounds_a_chat_reply(live):
+    messages = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
+    reply = live.client.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=5)
+    assert reply.usage.completion_tokens <= 5
+    assert reply.usage.completion_tokens == 5 or reply.choices[0].finish_reason == "stop"
+    with httpx.Client(timeout=30) as http:
+        body = {"model": NAME, "messages": messages, "max_tokens": 4, "max_completion_tokens": 5}
+        assert_error(http.post(f"{live.url}/v1/chat/completions", json=body), 400, "max_completion_tokens")
+
+
+def test_fields_the_server_does_not_do_are_refused_by_name_unless_off(live):
+    """Every field of `REFUSED`, on the endpoint that defines it: a value that asks for it is a 400 naming it; its
+    "off" values are accepted (clients send defaults)."""
+    from assistgen.serving.protocol import CHAT_ONLY, COMPLETION_ONLY, REFUSED
+
+    asks = {"logprobs": True, "top_logprobs": 2, "response_format": {"type": "json_object"},
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "auto",
+            "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
+            "frequency_penalty": 0.5, "presence_penalty": 1, "logit_bias": {"50": 5}, "best_of": 2, "suffix": "x",
+            "audio": {"voice": "alloy"}, "modalities": ["text", "audio"], "prediction": {"type": "content"},
+            "reasoning_effort": "high", "web_search_options": {}, "store": True, "service_tier": "flex"}
+    assert set(asks) == set(REFUSED)
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    text = {"model": NAME, "prompt": "Hi", "max_tokens": 1}
+    with httpx.Client(timeout=30) as http:
+        for name, value in asks.items():
+            for path, body, only in (("chat/completions", chat, COMPLETION_ONLY), ("completions", text, CHAT_ONLY)):
+                if name in only:
+                    continue
+                assert_error(http.post(f"{live.url}/v1/{path}", json={**body, name: value}), 400, name)
+                off = REFUSED[name][0][-1]
+                if off is not None:
+                    assert http.post(f"{live.url}/v1/{path}", json={**body, name: off}).status_code == 200, name
+        with pytest.raises(openai.BadRequestError, match="tool"):
+            live.client.chat.completions.create(model=NAME, messages=chat["messages"], max_tokens=1,
+                                                tools=asks["tools"])
+
+
+def test_roles_are_checked(live):
+    url = f"{live.url}/v1/chat/completions"
+    with httpx.Client(timeout=30) as http:
+        wizard = {"model": NAME, "max_tokens": 2, "messages": [{"role": "wizard", "content": "Hi"}]}
+        assert_error(http.post(url, json=wizard), 400, "messages.0.role")
+        tool = {"model": NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"},
+                                                              {"role": "tool", "content": "42"}]}
+        assert_error(http.post(url, json=tool), 400, "messages.1")
+        developer = {"model": NAME, "max_tokens": 2, "messages": [{"role": "developer", "content": "Be brief."},
+                                                                   {"role": "user", "content": "Hi"}]}
+        system = {**developer, "messages": [{"role": "system", "content": "Be brief."}, developer["messages"][1]]}
+        a, b = http.post(url, json=developer).json(), http.post(url, json=system).json()
+    assert a["usage"] == b["usage"] and a["choices"][0]["message"] == b["choices"][0]["message"]
+
+
+def test_models_retrieve_and_the_context_bound(live):
+    card = live.client.models.retrieve(NAME)
+    assert card.id == NAME and card.model_extra["max_model_len"] == live.app.state.assistgen.context
+    with pytest.raises(openai.NotFoundError):
+        live.client.models.retrieve("gpt-4")
+    unlimited = start(live.engine.target)  # no max_tokens limit of its own: only the context bounds a request
+    try:
+        with httpx.Client(timeout=30) as http:
+            body = {"model": NAME, "prompt": "Hi", "max_tokens": 1_000_000_000}
+            assert_error(http.post(f"{unlimited.url}/v1/completions", json=body), 400, "max_tokens")
+            chat = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 10**9}
+            assert_error(http.post(f"{unlimited.url}/v1/chat/completions", json=chat), 400, "max_completion_tokens")
+    finally:
+        stop(unlimited)
+
+
+def test_several_prompts_give_one_choice_each_and_echo(live, smollm2):
+    client = live.client
+    prompts = [REPEATING, "red one, red two, red one, red two, red one,"]
+    singles = [client.completions.create(model=NAME, prompt=p, max_tokens=10) for p in prompts]
+    both = client.completions.create(model=NAME, prompt=prompts, max_tokens=10)
+    assert [c.index for c in both.choices] == [0, 1]
+    assert [c.text for c in both.choices] == [s.choices[0].text for s in singles]
+    assert both.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert both.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    ids = list(smollm2.tokenizer(prompts[1])["input_ids"])
+    by_ids = client.completions.create(model=NAME, prompt=[ids, ids], max_tokens=10)
+    assert [c.text for c in by_ids.choices] == [singles[1].choices[0].text] * 2
+
+    parts = {0: [], 1: []}
+    for event in client.completions.create(model=NAME, prompt=prompts, max_tokens=10, stream=True, echo=True):
+        for choice in event.choices:
+            parts[choice.index].append(choice.text)
+    assert ["".join(parts[i]) for i in (0, 1)] == [p + s.choices[0].text for p, s in zip(prompts, singles, strict=True)]
+    echoed = client.completions.create(model=NAME, prompt=prompts[0], max_tokens=10, echo=True)
+    assert echoed.choices[0].text == prompts[0] + singles[0].choices[0].text
+
+
+def test_the_readme_lists_every_request_field():
+    """The README's request-field table names each field the two endpoints declare, and says what happens."""
+    import re
+    from pathlib import Path
+
+    from assistgen.serving.protocol import NO_EFFECT, REFUSED, ChatRequest, CompletionRequest, Message
+
+    readme = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
+    table = readme[readme.index("### Request fields"):]
+    rows = dict(re.findall(r"^\| `([a-z_.\[\]]+)` \| ([^|]+) \|", table, re.M))
+    declared = set(CompletionRequest.model_fields) | set(ChatRequest.model_fields)
+    declared |= {f"messages[].{f}" for f in Message.model_fields}
+    assert declared <= set(rows), declared - set(rows)
+    for name in REFUSED:
+        assert rows[name].strip().startswith("refused"), name
+    for name in NO_EFFECT:
+        assert rows[name].strip().startswith("accepted, no effect"), name
 
 
 def test_queue_full_is_429(small):

@@ -29,6 +29,22 @@ class Stats:
     finish_reason: str = ""
     notes: dict = field(default_factory=dict)  # drafter-specific figures (universal mode: vocab intersection)
 
+    @staticmethod
+    def combined(parts: list[Stats]) -> Stats:
+        """The counters of several generations added up (histograms position by position)."""
+        out = Stats(mode=parts[0].mode if parts else "plain")
+        for part in parts:
+            for name in ("prompt_tokens", "new_tokens", "steps", "draft_steps", "target_forward_passes",
+                         "draft_forward_passes", "drafted_tokens", "accepted_tokens", "prefill_s", "draft_s",
+                         "verify_s", "total_s"):
+                setattr(out, name, getattr(out, name) + getattr(part, name))
+            for name in ("accept_histogram", "position_checks"):
+                mine, theirs = getattr(out, name), getattr(part, name)
+                mine.extend([0] * (len(theirs) - len(mine)))
+                for i, v in enumerate(theirs):
+                    mine[i] += v
+        return out
+
     def record_step(self, drafted: int, accepted: int) -> None:
         self.steps += 1
         self.target_forward_passes += 1

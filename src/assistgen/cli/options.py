@@ -1,7 +1,7 @@
 """Command-line options shared by the commands: where models run and how they are loaded.
 
 Contract: `add_quantize` and `add_placement` declare --quantize, --backend, --assistant-backend, --device,
---dtype, --context and --sequences on a parser; `placement` and `loading` turn the parsed values into the
+--dtype, --context, --sequences and --no-repack on a parser; `placement` and `loading` turn the parsed values into the
 keyword arguments `assistgen.load_model` takes (only those given: no default is re-declared here, and an option
 of the other backend is refused by the loader, not dropped); `settings_from` gives the generation settings a
 command was given.
@@ -36,17 +36,21 @@ def add_placement(p: argparse.ArgumentParser) -> None:
                         "(default: the model's trained context, at most 4096)")
     p.add_argument("--sequences", type=int,
                    help="llama.cpp backend: sequences that can live at once in a context (default 32)")
+    p.add_argument("--no-repack", dest="repack", action="store_const", const=False,
+                   help="llama.cpp backend: keep the weights in the file's layout (about 600 MB less memory for "
+                        "a 1.5B model, prompts about 1.5x slower: docs/benchmarks.md)")
 
 
 def placement(args: argparse.Namespace, assistant: bool = False) -> dict:
-    """load_model's backend=, device=, dtype=, context= and sequences= from the command line, only those given."""
+    """load_model's backend=, device=, dtype=, context=, sequences= and repack= from the command line, only those
+    given."""
     backend = (args.assistant_backend or args.backend) if assistant else args.backend
     out = {"backend": backend}
     if args.device:
         out["device"] = args.device
     if args.dtype:
         out["dtype"] = DTYPES[args.dtype]
-    for name in ("context", "sequences"):
+    for name in ("context", "sequences", "repack"):
         if getattr(args, name, None) is not None:
             out[name] = getattr(args, name)
     return out

@@ -1,16 +1,20 @@
 """The OpenAI-compatible wire format: request bodies, error bodies, and turning a body into engine settings.
 
-Contract: pydantic models of the two endpoints' request bodies (`CompletionRequest`, `ChatRequest`; unknown
-fields are ignored, as OpenAI's clients send some); `APIError`, answered with OpenAI's error body
-`{"error": {"message", "type", "param", "code"}}` by the handlers `install_error_handlers` puts on an app
-(a pydantic validation error becomes a 400 naming the field; anything unexpected a 500 with the same
-body); `generation_config` and the prompt helpers turn a checked body into the library's
-`GenerationConfig` and prompt, with the API's field names in every message. Nothing here runs a model.
+Contract: pydantic models of the two endpoints' request bodies (`CompletionRequest`, `ChatRequest`). Every
+field OpenAI's API defines for them is declared: honoured, or listed in `REFUSED` with the values that mean
+"off" (anything else is a 400 naming the field: `refuse_unsupported`), or in `NO_EFFECT` (fields that change
+no reply by OpenAI's own definition); unknown extra fields are ignored, as OpenAI's clients send some.
+`APIError` is answered with OpenAI's error body `{"error": {"message", "type", "param", "code"}}` by the
+handlers `install_error_handlers` puts on an app (a pydantic validation error becomes a 400 naming the field;
+anything unexpected a 500 with the same body). `generation_config` turns a checked body into the library's
+`GenerationConfig` for one prompt (new tokens bounded by the room the prompt leaves in the context),
+`completion_prompts` and `message_dicts` give the prompts (roles checked), with the API's field names in every
+message. Nothing here runs a model.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -24,7 +28,43 @@ FINISH_REASONS = {"length": "length", "context": "length", "eos": "stop", "stop"
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
     include_usage: bool = False
+
+
+# Fields OpenAI's API defines that this server does not do: each is accepted only at its "off" values and
+# refused with a 400 naming it otherwise (a field accepted and ignored would be a silent wrong answer).
+# name -> (the values that mean "off", why it is refused). The README's request-field table lists them.
+REFUSED: dict[str, tuple[tuple, str]] = {
+    "logprobs": ((None, False, 0), "log-probabilities are not supported by this server yet."),
+    "top_logprobs": ((None, 0), "log-probabilities are not supported by this server yet."),
+    "response_format": ((None, {"type": "text"}), "only {\"type\": \"text\"} is supported (no JSON mode yet)."),
+    "tools": ((None, []), "tool calling is not supported: describe the tools in a message instead."),
+    "tool_choice": ((None, "none"), "tool calling is not supported."),
+    "parallel_tool_calls": ((None,), "tool calling is not supported."),
+    "functions": ((None, []), "function calling is not supported."),
+    "function_call": ((None, "none"), "function calling is not supported."),
+    "frequency_penalty": ((None, 0, 0.0), "penalties are not supported: leave it at 0."),
+    "presence_penalty": ((None, 0, 0.0), "penalties are not supported: leave it at 0."),
+    "logit_bias": ((None, {}), "logit_bias is not supported."),
+    "best_of": ((None, 1), "best_of must be 1."),
+    "suffix": ((None, ""), "suffix (insertion) is not supported."),
+    "audio": ((None,), "audio output is not supported."),
+    "modalities": ((None, ["text"]), "only the text modality is supported."),
+    "prediction": ((None,), "predicted outputs are not supported."),
+    "reasoning_effort": ((None,), "this model has no reasoning settings."),
+    "web_search_options": ((None,), "web search is not supported."),
+    "store": ((None, False), "nothing is stored by this server."),
+    "service_tier": ((None, "auto", "default"), "this server has one service tier."),
+}
+COMPLETION_ONLY = {"echo", "best_of", "suffix", "prompt"}
+CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
+             "parallel_tool_calls", "functions", "function_call", "audio", "modalities", "prediction",
+             "reasoning_effort", "web_search_options", "store", "service_tier", "metadata"}
+# Fields that change nothing in a reply by OpenAI's own definition, accepted as they are.
+NO_EFFECT = {"user": "an end-user id for the client's own records", "metadata": "tags for stored replies"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 class Sampling(BaseModel):
@@ -33,7 +73,7 @@ class Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None  # None: the served model
-    max_tokens: int | None = Field(None, strict=True)  # None: GenerationConfig's default
+    max_tokens: int | None = Field(None, strict=True)  # None: GenerationConfig's default, within the context
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = Field(None, strict=True)  # an extension of OpenAI's API
@@ -42,13 +82,27 @@ class Sampling(BaseModel):
     n: int | None = Field(None, strict=True)  # only 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    user: str | None = None
+    # refused unless "off" (REFUSED): typed loosely so that the 400 names the field, whatever was sent
+    logprobs: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    logit_bias: Any = None
+
+    def new_tokens(self) -> int | None:
+        return self.max_tokens
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    best_of: Any = None
+    suffix: Any = None
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
     type: Literal["text"]
     text: str
 
@@ -58,10 +112,49 @@ class Message(BaseModel):
 
     role: str
     content: str | list[TextPart] | None = None
+    name: str | None = None  # accepted: the chat templates have no place for it
+    tool_calls: Any = None
+    function_call: Any = None
 
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, strict=True)
+    metadata: dict[str, str] | None = None
+    top_logprobs: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    store: Any = None
+    service_tier: Any = None
+
+    def new_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise APIError(400, f"max_tokens ({self.max_tokens}) and max_completion_tokens "
+                               f"({self.max_completion_tokens}) disagree: give one of them.",
+                               param="max_completion_tokens")
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+def refuse_unsupported(body: Sampling) -> None:
+    """A 400 naming the first field of REFUSED that is set to anything but its "off" values."""
+    def same(value, off) -> bool:
+        return value == off and isinstance(value, bool) == isinstance(off, bool)
+
+    for name, (off, reason) in REFUSED.items():
+        value = getattr(body, name, None)
+        if value is not None and not any(same(value, v) for v in off):
+            raise APIError(400, f"{name}: {reason}", param=name)
 
 
 class APIError(Exception):
@@ -114,40 +207,62 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(500, f"Internal error: {type(e).__name__}: {e}", "server_error"))
 
 
-def generation_config(body: Sampling, limit: int | None) -> GenerationConfig:
+def generation_config(body: Sampling, limit: int | None, room: int) -> GenerationConfig:
+    """The body's GenerationConfig for a prompt that leaves `room` positions of the context: asked-for new tokens
+    above `limit` (the server's) or `room` are a 400; none asked for: the library's default, within both."""
+    refuse_unsupported(body)
     if body.n not in (None, 1):
-        raise APIError(400, f"n must be 1 (one choice per request), got {body.n}.", param="n")
-    given = {"max_new_tokens": body.max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+        raise APIError(400, f"n must be 1 (one choice per prompt), got {body.n}.", param="n")
+    asked = body.new_tokens()
+    field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+    given = {"max_new_tokens": asked, "temperature": body.temperature, "top_p": body.top_p,
              "top_k": body.top_k, "seed": body.seed}
     settings = {k: v for k, v in given.items() if v is not None}
     if body.stop is not None:
         settings["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
     config = GenerationConfig(**settings)
-    if limit is not None and config.max_new_tokens > limit:
-        if body.max_tokens is not None:
-            raise APIError(400, f"max_tokens is {body.max_tokens}, above this server's limit {limit}.",
-                           param="max_tokens")
-        config = GenerationConfig(**{**settings, "max_new_tokens": limit})
+    if asked is None:
+        bound = min(room, limit) if limit is not None else room
+        config = GenerationConfig(**{**settings, "max_new_tokens": max(1, min(config.max_new_tokens, bound))})
+    elif isinstance(asked, int) and asked > 0:
+        if limit is not None and asked > limit:
+            raise APIError(400, f"{field} is {asked}, above this server's limit {limit}.", param=field)
+        if asked > room:
+            raise APIError(400, f"{field} is {asked}, but the prompt leaves room for {room} new tokens in the "
+                           f"model's context: ask for at most {room}, or give a shorter prompt.", param=field)
     try:
         return config.validate()
     except ConfigError as e:
-        message = str(e).replace("max_new_tokens", "max_tokens")  # GenerationConfig's name -> the API's
-        param = next((f for f in Sampling.model_fields if message.startswith(f)), None)
+        message = str(e).replace("max_new_tokens", field)  # GenerationConfig's name -> the API's
+        param = next((f for f in type(body).model_fields if message.startswith(f)), None)
         raise APIError(400, message, param=param) from e
 
 
-def completion_prompt(prompt: str | list[str] | list[int]) -> str | list[int]:
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        if len(prompt) != 1:
-            raise APIError(400, f"prompt: give one prompt per request, got {len(prompt)}.", param="prompt")
-        return prompt[0]
-    return prompt
+def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The prompts of a completion request: a string, token ids, or a list of either (one choice each)."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt: give a prompt (a string, token ids, or a list of them), not an empty list.",
+                       param="prompt")
+    return list(prompt)
 
 
 def message_dicts(messages: list[Message]) -> list[dict]:
+    """{"role", "content"} dicts for the chat template; roles other than system, developer (read as system),
+    user and assistant, and tool calls in messages, are a 400 naming the message."""
     def content(m: Message) -> str:
         if isinstance(m.content, list):
             return "".join(part.text for part in m.content)
         return m.content or ""
 
-    return [{"role": m.role, "content": content(m)} for m in messages]
+    out = []
+    for i, m in enumerate(messages):
+        if m.role in ("tool", "function") or m.tool_calls is not None or m.function_call is not None:
+            raise APIError(400, f"messages[{i}]: tool and function calls are not supported by this server.",
+                           param=f"messages.{i}")
+        if m.role not in ROLES:
+            raise APIError(400, f"messages[{i}].role: {m.role!r} is not a role; use one of "
+                           f"{', '.join(ROLES)}.", param=f"messages.{i}.role")
+        out.append({"role": ROLES[m.role], "content": content(m)})
+    return out

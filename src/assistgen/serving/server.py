@@ -2,13 +2,17 @@
 
 Contract: `create_app(engine, settings, make_drafter)` builds a FastAPI app (no model loading: tests pass
 a loaded model's engine) serving `POST /v1/completions`, `POST /v1/chat/completions` (both with
-`stream: true` as server-sent events), `GET /v1/models`, `GET /health` and `GET /metrics` (Prometheus
-text from the app's own registry, `metrics.py`). The handlers are module-level functions over the app's
-`AppState` (engine, settings, metrics, whether it is closing). Every request is checked in full before it
-reaches the engine (`protocol.py`); a client mistake answers 4xx with OpenAI's error body (400 bad input,
-404 unknown model, 429 queue full, 503 shutting down), anything else 500 with the same body. A client
-that goes away mid-generation (streamed or not) has its engine request cancelled. Responses carry,
-besides OpenAI's fields, `metrics.speculative_decoding` (`metrics.spec_decode_metrics`). The n-gram
+`stream: true` as server-sent events), `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` and
+`GET /metrics` (Prometheus text from the app's own registry, `metrics.py`). The handlers are module-level
+functions over the app's `AppState` (engine, settings, metrics, whether it is closing). Every request is
+checked in full before it reaches the engine (`protocol.py`): each field OpenAI's API defines is honoured or,
+where this server does not do it, refused unless left at its "off" value; a prompt plus the new tokens asked
+for must fit the context. A completion request with several prompts runs them as separate engine requests,
+batched, one choice each (`index` in order, usage summed); `echo` puts the prompt's text before each choice.
+A client mistake answers 4xx with OpenAI's error body (400 bad input, 404 unknown model, 429 queue full, 503
+shutting down), anything else 500 with the same body. A client that goes away mid-generation (streamed or not)
+has its engine requests cancelled. Responses carry, besides OpenAI's fields, `metrics.speculative_decoding`
+(`metrics.spec_decode_metrics`, added up over the choices). The n-gram
 cache across requests is off unless `ServerSettings.ngram_cache`; then a request draws on (and feeds)
 the cache of its API key (the bearer token; no key: a cache of its own), never another's.
 `serve(engine, settings, host, port)` starts the engine and runs uvicorn until SIGINT/SIGTERM, then lets
@@ -49,12 +53,14 @@ from assistgen.serving.protocol import (
     ChatRequest,
     CompletionRequest,
     Sampling,
-    completion_prompt,
+    completion_prompts,
     error_body,
     generation_config,
     install_error_handlers,
     message_dicts,
+    refuse_unsupported,
 )
+from assistgen.stats import Stats
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
@@ -149,10 +155,24 @@ def encoded(state: AppState, encode: Callable[[], list[int]], param: str) -> lis
     return ids
 
 
-def submit(state: AppState, body: Sampling, prompt_ids: list[int], http: HTTPRequest) -> Job:
-    config = generation_config(body, state.settings.max_tokens_limit)
+def submit(state: AppState, body: Sampling, prompts: list[list[int]], http: HTTPRequest) -> list[Job]:
+    """One engine request per prompt (each checked in full before any is queued); a refusal cancels the ones
+    already queued."""
+    configs = [generation_config(body, state.settings.max_tokens_limit, state.context - len(ids)) for ids in prompts]
     if state.closing:
         raise APIError(503, "The server is shutting down.", "service_unavailable")
+    jobs: list[Job] = []
+    try:
+        for ids, config in zip(prompts, configs, strict=True):
+            jobs.append(submit_one(state, ids, config, http))
+    except APIError:
+        for job in jobs:
+            job.request.cancel()
+        raise
+    return jobs
+
+
+def submit_one(state: AppState, prompt_ids: list[int], config, http: HTTPRequest) -> Job:
     job = Job(prompt_ids, asyncio.Queue(), time.perf_counter())
     drafter = (state.make_drafter(ngram_cache=ngram_namespace(api_key(http))) if state.settings.ngram_cache
                else None)
@@ -185,53 +205,97 @@ async def follow(state: AppState, job: Job) -> AsyncIterator[Chunk]:
             job.request.cancel()
 
 
+async def merged(state: AppState, jobs: list[Job]) -> AsyncIterator[tuple[int, Chunk]]:
+    """(choice index, chunk) of every job as they come; leaving early cancels every job still running."""
+    if len(jobs) == 1:
+        async for chunk in follow(state, jobs[0]):
+            yield 0, chunk
+        return
+    out: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, job: Job) -> None:
+        async for chunk in follow(state, job):
+            await out.put((i, chunk))
+
+    tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+    try:
+        for _ in jobs:  # each job ends with one finishing chunk
+            while True:
+                i, chunk = await out.get()
+                yield i, chunk
+                if chunk.finish_reason is not None:
+                    break
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 def failure(job: Job) -> APIError | None:
-    if job.last.finish_reason != "error":
+    if job.last is None or job.last.finish_reason != "error":
         return None
     return APIError(500, f"Generation failed: {job.request.error}", "server_error")
 
 
-async def cancel_when_gone(job: Job, http: HTTPRequest) -> None:
-    """A client waiting for a whole reply that goes away cancels its engine request (streams: `follow`)."""
+def usage(jobs: list[Job]) -> dict:
+    parts = [job.usage for job in jobs]
+    return {k: sum(p[k] for p in parts) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
+def reply_metrics(jobs: list[Job]) -> dict:
+    stats = [job.last.stats for job in jobs if job.last is not None and job.last.stats is not None]
+    return spec_decode_metrics(stats[0] if len(stats) == 1 else Stats.combined(stats) if stats else None)
+
+
+async def cancel_when_gone(jobs: list[Job], http: HTTPRequest) -> None:
+    """A client waiting for a whole reply that goes away cancels its engine requests (streams: `merged`)."""
     while not await http.is_disconnected():
         await asyncio.sleep(DISCONNECT_POLL_S)
-    job.request.cancel()
+    for job in jobs:
+        job.request.cancel()
 
 
-async def respond(state: AppState, body: Sampling, job: Job, chat: bool, http: HTTPRequest) -> Response:
+async def respond(state: AppState, body: Sampling, jobs: list[Job], chat: bool, http: HTTPRequest,
+                  echoes: list[str] | None = None) -> Response:
     reply_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     head = {"id": reply_id, "created": int(time.time()), "model": state.settings.model_name}
     if body.stream:
-        usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(events(state, job, head, chat, usage), media_type="text/event-stream")
-    return await reply(state, job, head, chat, http)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(events(state, jobs, head, chat, include_usage, echoes),
+                                 media_type="text/event-stream")
+    return await reply(state, jobs, head, chat, http, echoes)
 
 
-async def reply(state: AppState, job: Job, head: dict, chat: bool, http: HTTPRequest) -> JSONResponse:
-    watcher = asyncio.create_task(cancel_when_gone(job, http))
+async def reply(state: AppState, jobs: list[Job], head: dict, chat: bool, http: HTTPRequest,
+                echoes: list[str] | None) -> JSONResponse:
+    watcher = asyncio.create_task(cancel_when_gone(jobs, http))
     try:
-        async for _ in follow(state, job):
+        async for _ in merged(state, jobs):
             pass
     finally:
         watcher.cancel()
-    error = failure(job)
-    if error is not None:
-        raise error
-    text = "".join(job.texts)
-    choice = {"index": 0, "finish_reason": FINISH_REASONS.get(job.last.finish_reason)}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice.update(text=text, logprobs=None)
-    return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
-                         "choices": [choice], "usage": job.usage, "metrics": spec_decode_metrics(job.last.stats)})
+    for job in jobs:
+        error = failure(job)
+        if error is not None:
+            raise error
+    choices = []
+    for i, job in enumerate(jobs):
+        text = (echoes[i] if echoes else "") + "".join(job.texts)
+        choice = {"index": i, "finish_reason": FINISH_REASONS.get(job.last.finish_reason)}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice.update(text=text, logprobs=None)
+        choices.append(choice)
+    return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+                         "usage": usage(jobs), "metrics": reply_metrics(jobs)})
 
 
-async def events(state: AppState, job: Job, head: dict, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+async def events(state: AppState, jobs: list[Job], head: dict, chat: bool, include_usage: bool,
+                 echoes: list[str] | None) -> AsyncIterator[str]:
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def event(delta: dict | str, finish_reason: str | None = None, **extra) -> str:
-        choice = {"index": 0, "finish_reason": finish_reason}
+    def event(i: int, delta: dict | str, finish_reason: str | None = None, **extra) -> str:
+        choice = {"index": i, "finish_reason": finish_reason}
         if chat:
             choice["delta"] = delta
         else:
@@ -239,17 +303,19 @@ async def events(state: AppState, job: Job, head: dict, chat: bool, include_usag
         return sse({**head, "object": kind, "choices": [choice], **extra})
 
     if chat:
-        yield event({"role": "assistant", "content": ""})
-    async for chunk in follow(state, job):
+        yield event(0, {"role": "assistant", "content": ""})
+    for i, text in enumerate(echoes or []):
+        yield event(i, text)
+    async for i, chunk in merged(state, jobs):
         if chunk.finish_reason == "error":
-            yield sse(error_body(failure(job).message, "server_error"))
+            yield sse(error_body(failure(jobs[i]).message, "server_error"))
         elif chunk.finish_reason is not None:
-            yield event({"content": chunk.text} if chat else chunk.text,
+            yield event(i, {"content": chunk.text} if chat else chunk.text,
                         FINISH_REASONS.get(chunk.finish_reason), metrics=spec_decode_metrics(chunk.stats))
         elif chunk.text:
-            yield event({"content": chunk.text} if chat else chunk.text)
+            yield event(i, {"content": chunk.text} if chat else chunk.text)
     if include_usage:
-        yield sse({**head, "object": kind, "choices": [], "usage": job.usage})
+        yield sse({**head, "object": kind, "choices": [], "usage": usage(jobs)})
     yield "data: [DONE]\n\n"
 
 
@@ -261,26 +327,39 @@ def sse(payload: Any) -> str:
 
 
 async def completions(body: CompletionRequest, http: HTTPRequest):
-    return await generation(http, body, lambda target: encode_prompt(target, completion_prompt(body.prompt)), "prompt",
-                            chat=False)
+    state = state_of(http)
+    check_model(state, body.model)
+    refuse_unsupported(body)
+    target = state.engine.target
+    prompts = completion_prompts(body.prompt)
+    ids = [encoded(state, lambda p=p: encode_prompt(target, p), "prompt") for p in prompts]
+    jobs = submit(state, body, ids, http)
+    echoes = [p if isinstance(p, str) else target.tokenizer.decode(p) for p in prompts] if body.echo else None
+    return await respond(state, body, jobs, False, http, echoes)
 
 
 async def chat_completions(body: ChatRequest, http: HTTPRequest):
-    messages = message_dicts(body.messages)
-    return await generation(http, body, lambda target: encode_chat(target, messages), "messages", chat=True)
-
-
-async def generation(http: HTTPRequest, body: Sampling, encode: Callable, param: str, chat: bool) -> Response:
-    """Both endpoints: check the model named, encode the prompt (`param`: the field it came from), submit, answer."""
     state = state_of(http)
     check_model(state, body.model)
-    job = submit(state, body, encoded(state, lambda: encode(state.engine.target), param), http)
-    return await respond(state, body, job, chat, http)
+    refuse_unsupported(body)
+    messages = message_dicts(body.messages)
+    jobs = submit(state, body, [encoded(state, lambda: encode_chat(state.engine.target, messages), "messages")], http)
+    return await respond(state, body, jobs, True, http)
+
+
+def model_card(state: AppState) -> dict:
+    return {"id": state.settings.model_name, "object": "model", "created": 0, "owned_by": "assistgen",
+            "max_model_len": state.context}
 
 
 async def models(http: HTTPRequest):
-    return {"object": "list", "data": [{"id": state_of(http).settings.model_name, "object": "model", "created": 0,
-                                        "owned_by": "assistgen"}]}
+    return {"object": "list", "data": [model_card(state_of(http))]}
+
+
+async def model(model_id: str, http: HTTPRequest):
+    state = state_of(http)
+    check_model(state, model_id)
+    return model_card(state)
 
 
 async def health(http: HTTPRequest):
@@ -320,6 +399,7 @@ def create_app(engine: BatchEngine, settings: ServerSettings,
     app.post("/v1/completions")(completions)
     app.post("/v1/chat/completions")(chat_completions)
     app.get("/v1/models")(models)
+    app.get("/v1/models/{model_id:path}")(model)
     app.get("/health")(health)
     app.get("/metrics")(prometheus)
     app.state.assistgen = state
