@@ -108,8 +108,8 @@ def gguf_of(spec: str) -> Path:
 
 
 def start_server(args, config: str, port: int) -> subprocess.Popen:
-    process = subprocess.Popen(server_command(args, config, port), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    log = open(os.environ["SERVE_LOAD_LOG"], "a") if os.environ.get("SERVE_LOAD_LOG") else subprocess.DEVNULL
+    process = subprocess.Popen(server_command(args, config, port), stdout=log, stderr=log)
     deadline = time.monotonic() + args.start_timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -179,7 +179,8 @@ async def run_round(url: str, args, config: str, concurrency: int, prompts: list
     result = Round(config, concurrency)
 
     queue = list(range(args.round_requests))
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", timeout=args.request_timeout, max_retries=0)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", timeout=args.request_timeout,
+                                max_retries=2)  # a keep-alive connection the server closed is retried
 
     async def one_client():
         while queue:
