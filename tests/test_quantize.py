@@ -132,7 +132,8 @@ def test_saved_and_loaded_again_gives_the_same_logits_without_float_weights(tmp_
     expected = model.hf(ids).logits
     save_quantized(model, tmp_path / "q")
     assert is_saved(tmp_path / "q")
-    loaded = load_quantized(tmp_path / "q")
+    loaded = load_quantized(tmp_path / "q", name="tiny")
+    assert loaded.name == "tiny" and load_quantized(tmp_path / "q").name == "q"  # not a layer's name
     hf, tokenizer = loaded.hf, loaded.tokenizer
     assert torch.equal(hf(ids).logits, expected)
     big_float = [n for n, p in list(hf.named_parameters()) + list(hf.named_buffers())

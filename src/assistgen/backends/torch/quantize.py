@@ -390,9 +390,9 @@ def load_quantized(folder: Path, dtype: torch.dtype = torch.float32, name: str |
     config = AutoConfig.from_pretrained(str(folder))
     with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers (rotary) real
         hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    for name, spec in meta["specs"].items():
-        old = hf.get_submodule(name)
-        replace_module(hf, name, _empty_module(spec, tuple(old.weight.shape), dtype, "meta"))
+    for layer, spec in meta["specs"].items():
+        old = hf.get_submodule(layer)
+        replace_module(hf, layer, _empty_module(spec, tuple(old.weight.shape), dtype, "meta"))
     state = torch.load(folder / WEIGHTS, mmap=True, weights_only=True)
     hf.load_state_dict(state, strict=True, assign=True)
     left = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.device.type == "meta"]
