@@ -244,7 +244,10 @@ def test_max_completion_tokens_bounds_a_chat_reply(live):
 def test_fields_the_server_does_not_do_are_refused_by_name_unless_off(live):
     """Every field of `REFUSED`, on the endpoint that defines it: a value that asks for it is a 400 naming it; its
     "off" values are accepted (clients send defaults)."""
-    from assistgen.serving.protocol import CHAT_ONLY, COMPLETION_ONLY, REFUSED
+    from assistgen.serving.protocol import REFUSED, ChatRequest, CompletionRequest
+
+    CHAT_ONLY = set(ChatRequest.model_fields) - set(CompletionRequest.model_fields)
+    COMPLETION_ONLY = set(CompletionRequest.model_fields) - set(ChatRequest.model_fields)
 
     asks = {"logprobs": True, "top_logprobs": 2, "response_format": {"type": "json_object"},
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "auto",

@@ -58,10 +58,6 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "store": ((None, False), "nothing is stored by this server."),
     "service_tier": ((None, "auto", "default"), "this server has one service tier."),
 }
-COMPLETION_ONLY = {"echo", "best_of", "suffix", "prompt"}
-CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
-             "parallel_tool_calls", "functions", "function_call", "audio", "modalities", "prediction",
-             "reasoning_effort", "web_search_options", "store", "service_tier", "metadata"}
 # Fields that change nothing in a reply by OpenAI's own definition, accepted as they are.
 NO_EFFECT = {"user": "an end-user id for the client's own records", "metadata": "tags for stored replies"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -209,8 +205,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
 def generation_config(body: Sampling, limit: int | None, room: int) -> GenerationConfig:
     """The body's GenerationConfig for a prompt that leaves `room` positions of the context: asked-for new tokens
-    above `limit` (the server's) or `room` are a 400; none asked for: the library's default, within both."""
-    refuse_unsupported(body)
+    above `limit` (the server's) or `room` are a 400; none asked for: the library's default, within both. (The
+    endpoints call `refuse_unsupported` first.)"""
     if body.n not in (None, 1):
         raise APIError(400, f"n must be 1 (one choice per prompt), got {body.n}.", param="n")
     asked = body.new_tokens()
