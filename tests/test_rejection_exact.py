@@ -23,7 +23,9 @@ import torch
 from helpers import broken_residual_from_p, char_tokenizer, small_tokenizer, tiny_llama
 from mixed_tokenizers import tiny_model
 
-from assistgen.config import GenerationConfig
+from assistgen.config import GenerationConfig, Structure
+from assistgen.core.constraint import Constraint
+from assistgen.core.engine import verify
 from assistgen.core.sampling import Sampler, verify_speculative
 from assistgen.core.sampling import verify_speculative as correct_verify
 from assistgen.drafters.assistant import AssistantDrafter
@@ -372,3 +374,64 @@ def test_old_universal_stop_rule_is_caught(mixed_pair, monkeypatch):
     prompt = target.tokenizer("abcab")["input_ids"]
     with pytest.raises(AssertionError, match="differs from the target"):
         check_drafter(UniversalDrafter(assistant, target), target, prompt, 2, "t1", 0.5)
+
+
+# ------------------------------------------------------------------- grammar-constrained verification
+
+STRUCTURE = Structure("regex", "[ab][cd][ab][cd][ab]")  # forbids most of what the assistant proposes
+
+
+def masked_p_of(target, prompt: list[int], config: GenerationConfig):
+    """p(. | prompt + prefix) [vocab] of the target with the grammar's mask applied before processing, as plain
+    constrained decoding draws it."""
+
+    @cache
+    def p_of(prefix: tuple) -> torch.Tensor:
+        constraint = Constraint.begin(target, STRUCTURE, {1})
+        constraint.advance(list(prefix))
+        constraint.check([])
+        with torch.inference_mode():
+            logits = target.hf(torch.tensor([prompt + list(prefix)])).logits[0, -1:]  # [1, vocab]
+        return Sampler(config).probs(constraint.mask(logits))[0]
+
+    return p_of
+
+
+def constrained_step(drafter, target, prompt: list[int], k: int, judge_forbidden: bool):
+    """One step as the loop makes it under a grammar: draft, cut at the first forbidden token, verify the rest on
+    masked rows, the forbidden token judged as a rejection (or, `judge_forbidden` False, simply dropped)."""
+
+    def run(sampler):
+        draft = drafter.propose(prompt, k, sampler, 0.0)
+        constraint = Constraint.begin(target, STRUCTURE, {1})
+        m, forbidden = constraint.check(draft.tokens)
+        with torch.inference_mode():
+            logits = target.hf(torch.tensor([prompt + draft.tokens[:m]])).logits[0, len(prompt) - 1 :]  # [m+1, vocab]
+        accepted, token, _ = verify(constraint.mask(logits), draft, m, sampler, forbidden if judge_forbidden else None)
+        return tuple(draft.tokens[:accepted]) + (token,)
+
+    return run
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_constrained_speculation_follows_the_masked_target(same_pair, k, setting):
+    target, assistant = same_pair
+    prompt = TOKENIZER("abcab")["input_ids"]
+    config = SETTINGS[setting]
+    p_of = masked_p_of(target, prompt, config)
+    emitted = enumerate_outcomes(constrained_step(AssistantDrafter(assistant, target), target, prompt, k, True), config)
+    assert_same_distribution(continued(emitted, k + 1, p_of), target_joint(k + 1, p_of))
+    drafts = enumerate_outcomes(lambda s: len(AssistantDrafter(assistant, target).propose(prompt, k, s).tokens), config)
+    assert set(drafts) == {k}  # (the assistant drafts k tokens; the grammar forbids some of them)
+
+
+def test_dropping_a_forbidden_draft_token_without_judging_it_is_caught(same_pair):
+    target, assistant = same_pair
+    prompt = TOKENIZER("abcab")["input_ids"]
+    config = SETTINGS["t1"]
+    p_of = masked_p_of(target, prompt, config)
+    emitted = enumerate_outcomes(constrained_step(AssistantDrafter(assistant, target), target, prompt, 2, False),
+                                 config)
+    with pytest.raises(AssertionError, match="differs from the target"):
+        assert_same_distribution(continued(emitted, 3, p_of), target_joint(3, p_of))

@@ -10,9 +10,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+MAX_LOGPROBS = 20  # the most alternatives a generation may ask for per token (OpenAI's and vLLM's bound)
+STRUCTURES = ("json_object", "json_schema", "regex", "grammar")  # what `Structure.kind` may name
+
 
 class ConfigError(ValueError):
     """A generation setting is out of range; the message names it and says what is allowed."""
+
+
+@dataclass(frozen=True)
+class Structure:
+    """What the output must match: "json_object" (any JSON object), "json_schema" (`spec`: the schema's JSON text),
+    "regex" (`spec`: a regular expression) or "grammar" (`spec`: a GBNF/EBNF grammar). `core/constraint.py`
+    compiles it; a spec that does not compile is a ConfigError there."""
+
+    kind: str
+    spec: str = ""
 
 
 @dataclass(frozen=True)
@@ -24,6 +37,8 @@ class GenerationConfig:
     seed: int | None = None  # seeds the torch.Generator used for sampling
     stop: tuple[str, ...] = ()  # stop strings, matched on decoded text and not emitted
     eos_token_ids: tuple[int, ...] | None = None  # None: from the model's generation config
+    logprobs: int | None = None  # None: none; n >= 0: each emitted token's log-probability and its n most likely
+    structure: Structure | None = None  # None: free text; else the grammar every emitted token must follow
 
     @property
     def greedy(self) -> bool:
@@ -48,4 +63,15 @@ class GenerationConfig:
             raise ConfigError(f"seed must be an integer, got {self.seed!r}.")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ConfigError(f"stop strings must be non-empty strings, got {self.stop!r}.")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ConfigError(f"logprobs must be None or an integer from 0 to {MAX_LOGPROBS} (the alternatives "
+                              f"to list per token), got {self.logprobs!r}.")
+        if self.structure is not None:
+            if not isinstance(self.structure, Structure) or self.structure.kind not in STRUCTURES:
+                raise ConfigError(f"structure must be a Structure whose kind is one of {', '.join(STRUCTURES)}, "
+                                  f"got {self.structure!r}.")
+            spec = self.structure.spec
+            if self.structure.kind != "json_object" and not (isinstance(spec, str) and spec):
+                raise ConfigError(f"a {self.structure.kind} structure needs its text in `spec`.")
         return self

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 from assistgen.backends.base import Cache, LanguageModel
 from assistgen.config import ConfigError, GenerationConfig
+from assistgen.core.constraint import Constraint
+from assistgen.core.logprobs import TokenLogprob, token_logprobs
 from assistgen.core.sampling import Sampler, verify_greedy, verify_speculative
 from assistgen.core.text import TextStream
 from assistgen.drafters.base import Drafter, Proposal, drafters_of, first_draft
@@ -39,6 +41,7 @@ class Chunk:
     text: str  # text that became safe to show with this step
     finish_reason: str | None = None  # set on the last chunk: length | eos | stop | context (| cancelled | error)
     stats: Stats | None = None  # the generation's statistics, live; final on the last chunk
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the config asks for them
 
 
 @dataclass
@@ -59,8 +62,10 @@ class GenerationState:
     cache: Cache
     started: float
     finish: str | None = None
+    constraint: Constraint | None = None  # the grammar the output follows (config.structure), or None
     proposal: Proposal = field(default_factory=Proposal)  # this step's draft, made by `draft_for`
     verified: int = 0  # how many of its tokens this step verifies
+    forbidden: int | None = None  # the draft token right after the verified ones, when the grammar forbids it
 
     @property
     def prefilling(self) -> bool:
@@ -82,11 +87,12 @@ def begin(target: LanguageModel, prompt_ids: list[int], drafter: Drafter, schedu
     eos = set(config.eos_token_ids if config.eos_token_ids is not None else target.eos_token_ids)
     drafters = drafters_of(drafter)
     started = target.clock()
+    constraint = None if config.structure is None else Constraint.begin(target, config.structure, eos)
     run = schedule.prepare(target, drafters, len(prompt_ids), config.greedy, config.max_new_tokens)  # its state
     return GenerationState(target, list(prompt_ids), drafter, drafters, run, config, Sampler(config),
                            TextStream(target.tokenizer, config.stop),
                            Stats(mode=drafter.name, prompt_tokens=len(prompt_ids)), eos, context,
-                           target.new_cache(), started)
+                           target.new_cache(), started, constraint=constraint)
 
 
 def stream(
@@ -112,6 +118,9 @@ def step(states: list[GenerationState], prefill_budget: int | None = None) -> li
         draft_for(s)
     costs = step_costs(decoding)
     choose_verified(decoding, sum(len(r) for r in prefill.values()), costs)
+    for s in decoding:
+        if s.constraint is not None:
+            constrain(s)
     fed = decoding + [s for s in states if prefill.get(id(s))]
     feeds = [(s.cache, [s.ids[-1]] + s.proposal.draft.tokens[: s.verified], s.verified + 1) for s in decoding]
     feeds += [(s.cache, prefill[id(s)], 1) for s in fed[len(decoding):]]
@@ -178,6 +187,14 @@ def choose_verified(decoding: list[GenerationState], prefill_rows: int, costs: P
         s.verified = n
 
 
+def constrain(s: GenerationState) -> None:
+    """Cut the verified draft at the first token the grammar forbids. That token has probability 0 under the
+    masked target, so verifying it would reject it for sure: the loop treats it as that rejection (`forbidden`;
+    when sampling, the next token then comes from the residual norm(max(p - q, 0)) at its position, as it would
+    have). The number verified was chosen before the cut, from the draft alone, so the cut changes no choice."""
+    s.verified, s.forbidden = s.constraint.check(s.proposal.draft.tokens[: s.verified])
+
+
 def time_share(s: GenerationState, sequences: int, rows: int, costs: PassCosts) -> float:
     """The share of a batched step's time (`sequences` generations, `rows` rows in all) that the generation's rows
     would have cost alone (for its schedule, which learns the time of a plain step from its steps)."""
@@ -187,7 +204,9 @@ def time_share(s: GenerationState, sequences: int, rows: int, costs: PassCosts) 
 def accept(s: GenerationState, logits, verify_s: float) -> Chunk:
     """Verify the generation's draft against the target's logits [verified+1, vocab], roll back, emit."""
     n, draft = s.verified, s.proposal.draft
-    accepted, token, p = verify(logits, draft, n, s.sampler)
+    if s.constraint is not None:
+        logits = s.constraint.mask(logits)  # [n+1, vocab]
+    accepted, token, p = verify(logits, draft, n, s.sampler, s.forbidden)
     s.stats.verify_s += verify_s
     s.cache.crop(len(s.ids) + accepted)  # roll back the rejected draft positions
     s.drafter.observe(accepted, p)
@@ -196,6 +215,11 @@ def accept(s: GenerationState, logits, verify_s: float) -> Chunk:
 
     new = draft.tokens[:accepted] + [token]
     new, finish = apply_stops(new, s.stats.new_tokens, s.config, s.eos, s.text)
+    if s.constraint is not None:
+        s.constraint.advance(new)
+    logprobs = None
+    if s.config.logprobs is not None:  # row i of the verification chose new[i]
+        logprobs = token_logprobs(logits if p is None else p, new, s.config.logprobs, probabilities=p is not None)
     s.ids.extend(new)
     s.stats.new_tokens += len(new)
     if finish is None and len(s.ids) >= s.context:
@@ -207,11 +231,12 @@ def accept(s: GenerationState, logits, verify_s: float) -> Chunk:
         s.drafter.finish(s.ids)
         s.stats.notes.update(s.drafter.report())
         s.stats.notes.update(s.run.report())
-    return Chunk(new, s.text.delta(final=finish is not None), finish, s.stats)
+    return Chunk(new, s.text.delta(final=finish is not None), finish, s.stats, logprobs)
 
 
-def verify(logits, draft, n: int, sampler: Sampler):
-    """Judge the first n draft tokens against the target's logits [n+1, vocab] over [last token, d_1..d_n].
+def verify(logits, draft, n: int, sampler: Sampler, forbidden: int | None = None):
+    """Judge the first n draft tokens against the target's logits [n+1, vocab] over [last token, d_1..d_n];
+    `forbidden`: draft token n + 1, which the grammar rejects (None: none follows, or it is not judged).
 
     Returns (accepted draft tokens, next token, p [n+1, vocab] when sampling else None).
     """
@@ -220,8 +245,9 @@ def verify(logits, draft, n: int, sampler: Sampler):
         accepted, token = verify_greedy(logits, tokens)
         return accepted, token, None
     p = sampler.probs(logits)
-    q = None if draft.probs is None else draft.probs[:n]
-    accepted, token = verify_speculative(p, q, tokens, sampler)
+    rows = n + (forbidden is not None)  # q's rows for the judged tokens
+    q = None if draft.probs is None else draft.probs[:rows]
+    accepted, token = verify_speculative(p, q, tokens, sampler, forbidden)
     return accepted, token, p
 
 

@@ -92,7 +92,7 @@ def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> tuple[int, i
 
 
 def verify_speculative(
-    p: torch.Tensor, q: torch.Tensor | None, draft: list[int], sampler: Sampler
+    p: torch.Tensor, q: torch.Tensor | None, draft: list[int], sampler: Sampler, rejected: int | None = None
 ) -> tuple[int, int]:
     """Speculative sampling, Leviathan et al. 2023, Algorithm 1.
 
@@ -101,7 +101,9 @@ def verify_speculative(
     on each draft token, which is the same as sampling y ~ p and accepting the draft token only if y
     equals it).
     Accept draft token x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection
-    draw the recovered token from norm(max(p_i - q_i, 0)); if all are accepted draw a bonus from p_k.
+    draw the recovered token from norm(max(p_i - q_i, 0)); if all are accepted draw a bonus from p_k, or,
+    when `rejected` names a next draft token known to be rejected (p_k gives it 0: a grammar forbids it),
+    the recovered token at k from norm(max(p_k - q_k, 0)) (q then has k+1 rows).
     """
     if q is not None:
         q = q.to(p.device)  # the same tensor when it is already there
@@ -111,7 +113,10 @@ def verify_speculative(
         if q_x > 0 and sampler.uniform() < min(1.0, p_x / q_x):
             continue
         return i, sampler.draw(residual(p[i], None if q is None else q[i], x))
-    return len(draft), sampler.draw(p[len(draft)])
+    k = len(draft)
+    if rejected is not None:
+        return k, sampler.draw(residual(p[k], None if q is None else q[k], rejected))
+    return k, sampler.draw(p[k])
 
 
 def residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tensor:

@@ -1,0 +1,101 @@
+"""Grammar-constrained decoding under speculation, through xgrammar.
+
+Contract: `Constraint.begin(target, structure, eos)` compiles a `config.Structure` for the target's tokenizer
+(a spec that does not compile raises ConfigError naming the problem) and holds one generation's grammar
+state, which always stands after the tokens emitted so far. Each step the loop calls:
+    check(draft) -> (m, forbidden)   how many leading draft tokens the grammar allows, and the token after
+                             them that it forbids (None when there is none, or when token m ended the
+                             structure with an EOS); it fills the masks of the m + 1 positions that
+                             verifying them reads (rows 0..m) and rolls itself back;
+    mask(logits)             logits [n+1, vocab], n <= m -> a copy with every token the grammar forbids at
+                             each position set to -inf, so that greedy and sampled choices (and logprobs)
+                             come from the masked target distribution;
+    advance(tokens)          the tokens the step emitted (all drawn from masked rows, so always allowed).
+A draft token the grammar forbids has target probability 0 after masking: cutting the draft there loses
+nothing when the loop treats it as a rejection at that position (`engine.constrain`). The grammar
+finishes with the generation's EOS tokens, which it allows only where the structure is complete.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from assistgen.config import ConfigError, Structure
+
+_COMPILERS: dict[tuple[int, int], tuple[object, object]] = {}  # (id(tokenizer), vocab) -> (tokenizer, compiler)
+
+
+def compiler_for(tokenizer, vocab_size: int):
+    """The xgrammar compiler of a tokenizer (built once per tokenizer: reading a vocabulary takes ~0.3 s per
+    50k tokens); it caches what it compiles."""
+    key = (id(tokenizer), vocab_size)
+    if key not in _COMPILERS:
+        import xgrammar as xgr  # (imported on first use: its import takes seconds)
+
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        _COMPILERS[key] = (tokenizer, xgr.GrammarCompiler(info))  # (the tokenizer kept alive: its id is the key)
+    return _COMPILERS[key][1]
+
+
+def compile_structure(tokenizer, vocab_size: int, structure: Structure):
+    """The compiled grammar of `structure`; JSON is laid out with ", " and ": " between items and no other
+    whitespace, so that a model cannot spend its tokens on blank lines inside the value."""
+    compiler = compiler_for(tokenizer, vocab_size)
+    try:
+        if structure.kind == "json_object":
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if structure.kind == "json_schema":
+            return compiler.compile_json_schema(structure.spec, any_whitespace=False)
+        if structure.kind == "regex":
+            return compiler.compile_regex(structure.spec)
+        return compiler.compile_grammar(structure.spec)
+    except (RuntimeError, ValueError, TypeError) as e:
+        what = {"json_schema": "JSON schema", "regex": "regular expression", "grammar": "grammar"}[structure.kind]
+        detail = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"The {what} does not compile: {detail}. Fix it (xgrammar's syntax) and retry.") from e
+
+
+class Constraint:
+    def __init__(self, compiled, vocab_size: int, eos: set[int]):
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        self.vocab_size = vocab_size
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(eos))
+        self.masks = xgr.allocate_token_bitmask(1, vocab_size)  # [rows, ceil(vocab / 32)] int32 bits
+
+    @classmethod
+    def begin(cls, target, structure: Structure, eos: set[int]) -> Constraint:
+        return cls(compile_structure(target.tokenizer, target.vocab_size, structure), target.vocab_size, eos)
+
+    def check(self, draft: list[int]) -> tuple[int, int | None]:
+        """(m, forbidden): the leading draft tokens the grammar allows and the one after them that it forbids;
+        the masks of rows 0..m are kept for `mask`."""
+        self.masks = self.xgr.allocate_token_bitmask(len(draft) + 1, self.vocab_size)  # (all allowed)
+        allowed, forbidden = 0, None
+        for token in draft:
+            self.matcher.fill_next_token_bitmask(self.masks, allowed)
+            if not self.matcher.accept_token(token):
+                forbidden = token
+                break
+            allowed += 1
+            if self.matcher.is_terminated():  # (an EOS: whatever follows is never emitted)
+                break
+        else:
+            self.matcher.fill_next_token_bitmask(self.masks, allowed)
+        self.matcher.rollback(allowed)
+        return allowed, forbidden
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [n+1, vocab] -> float32 copy, -inf wherever the grammar forbids the token at that row."""
+        masked = logits.float().clone()
+        self.xgr.apply_token_bitmask_inplace(masked, self.masks[: len(masked)].to(masked.device),
+                                             vocab_size=self.vocab_size)
+        return masked
+
+    def advance(self, tokens: list[int]) -> None:
+        for token in tokens:
+            if self.matcher.is_terminated():
+                return
+            if not self.matcher.accept_token(token):
+                raise RuntimeError(f"token {token} was emitted where the grammar forbids it")
