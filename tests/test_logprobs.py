@@ -103,3 +103,25 @@ def test_no_logprobs_unless_asked(pair):
 def test_a_bad_logprobs_count_is_refused(pair, bad):
     with pytest.raises(ConfigError, match="logprobs"):
         generate(pair[0], encode(PROMPT), max_new_tokens=2, logprobs=bad)
+
+
+@pytest.mark.parametrize("budget", [None, 16])
+def test_prompt_logprobs_are_the_targets_whether_the_prompt_comes_in_one_feed_or_several(pair, budget):
+    from assistgen.core.engine import begin, step
+    from assistgen.drafters.base import NoDrafter
+
+    target, _ = pair
+    prompt = encode(PROMPT)
+    config = GenerationConfig(max_new_tokens=2, eos_token_ids=(), prompt_logprobs=2)
+    state = begin(target, prompt, NoDrafter(), Constant(0), config)
+    first = None
+    while first is None:
+        first = step([state], budget)[0]
+    with torch.inference_mode():
+        want = torch.log_softmax(target.hf(torch.tensor([prompt])).logits[0, :-1].float(), -1)
+    got = first.prompt_logprobs
+    assert [lp.token for lp in got] == prompt[1:]
+    for i, lp in enumerate(got):
+        assert math.isclose(lp.logprob, float(want[i, prompt[i + 1]]), abs_tol=2e-4)
+        assert [t for t, _ in lp.top] == want[i].topk(2).indices.tolist()
+    assert state.stats.target_forward_passes == (1 if budget is None else -(-(len(prompt) - 1) // budget)) + 1

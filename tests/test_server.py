@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 import schemathesis
+import torch
 import uvicorn
 from helpers import start_serve_command
 from hypothesis import HealthCheck, given, settings
@@ -249,8 +250,7 @@ def test_fields_the_server_does_not_do_are_refused_by_name_unless_off(live):
     CHAT_ONLY = set(ChatRequest.model_fields) - set(CompletionRequest.model_fields)
     COMPLETION_ONLY = set(CompletionRequest.model_fields) - set(ChatRequest.model_fields)
 
-    asks = {"logprobs": True, "top_logprobs": 2, "response_format": {"type": "json_object"},
-            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "auto",
+    asks = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "auto",
             "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
             "frequency_penalty": 0.5, "presence_penalty": 1, "logit_bias": {"50": 5}, "best_of": 2, "suffix": "x",
             "audio": {"voice": "alloy"}, "modalities": ["text", "audio"], "prediction": {"type": "content"},
@@ -323,6 +323,101 @@ def test_several_prompts_give_one_choice_each_and_echo(live, smollm2):
     assert ["".join(parts[i]) for i in (0, 1)] == [p + s.choices[0].text for p, s in zip(prompts, singles, strict=True)]
     echoed = client.completions.create(model=NAME, prompt=prompts[0], max_tokens=10, echo=True)
     assert echoed.choices[0].text == prompts[0] + singles[0].choices[0].text
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+EXTRACT = "Reply in JSON with the person's name and age. Text: Anna Berg is 41. Anna Berg lives in Oslo."
+
+
+def close(a: float, b: float) -> bool:
+    return abs(a - b) < 2e-4
+
+
+def test_logprobs_are_the_engines_streamed_or_not(live, smollm2):
+    """Chat and completions logprobs (and their alternatives) are the library's, which test_logprobs.py checks
+    against plain decoding's; a stream carries the same per chunk."""
+    want = generate(smollm2, REPEATING, lookup=True, max_new_tokens=12, logprobs=2)
+    client = live.client
+    text = client.completions.create(model=NAME, prompt=REPEATING, max_tokens=12, logprobs=2).choices[0]
+    assert text.text == want.text
+    lp = text.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(want.token_ids)
+    assert all(close(a, b.logprob) for a, b in zip(lp.token_logprobs, want.logprobs, strict=True))
+    assert "".join(lp.tokens) == want.text and lp.text_offset[0] == 0
+    streamed = [c for e in client.completions.create(model=NAME, prompt=REPEATING, max_tokens=12, logprobs=2,
+                                                    stream=True) for c in e.choices if c.logprobs]
+    assert sum((c.logprobs.token_logprobs for c in streamed), []) == lp.token_logprobs
+    assert len(streamed) > 1  # (per chunk, not all at the end)
+    messages = [{"role": "user", "content": REPEATING}]
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, logprobs=True,
+                                          top_logprobs=3).choices[0]
+    want = generate(smollm2, REPEATING, chat=True, lookup=True, max_new_tokens=12, logprobs=3)
+    content = chat.logprobs.content
+    assert "".join(c.token for c in content) == chat.message.content == want.text
+    for got, ref in zip(content, want.logprobs, strict=True):
+        assert close(got.logprob, ref.logprob) and len(got.top_logprobs) == 3
+        assert all(close(a.logprob, b) for a, (_, b) in zip(got.top_logprobs, ref.top, strict=True))
+        assert bytes(got.bytes).decode() == got.token
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, logprobs=True,
+                                            top_logprobs=3, stream=True)
+    chunks = [c.logprobs.content for e in stream for c in e.choices if c.logprobs and c.logprobs.content]
+    assert [c.logprob for part in chunks for c in part] == [c.logprob for c in content]
+    plain = client.chat.completions.create(model=NAME, messages=messages, max_tokens=3).choices[0]
+    assert plain.logprobs is None
+    with httpx.Client(timeout=30) as http:
+        body = {"model": NAME, "messages": messages, "max_tokens": 2, "top_logprobs": 2}
+        assert_error(http.post(f"{live.url}/v1/chat/completions", json=body), 400, "top_logprobs")
+        body = {"model": NAME, "messages": messages, "max_tokens": 2, "logprobs": True, "top_logprobs": 21}
+        assert_error(http.post(f"{live.url}/v1/chat/completions", json=body), 400, "top_logprobs")
+
+
+def test_echo_with_logprobs_lists_the_prompt_first(live, smollm2):
+    reply = live.client.completions.create(model=NAME, prompt=REPEATING, max_tokens=4, logprobs=1, echo=True)
+    choice = reply.choices[0]
+    lp = choice.logprobs
+    n = reply.usage.prompt_tokens
+    assert choice.text.startswith(REPEATING) and len(lp.tokens) == n + reply.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ids = smollm2.tokenizer(REPEATING)["input_ids"]
+    with torch.inference_mode():
+        want = torch.log_softmax(smollm2.hf(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    assert all(close(lp.token_logprobs[i + 1], float(want[i, ids[i + 1]])) for i in range(n - 1))
+    streamed = [c.logprobs for e in live.client.completions.create(
+        model=NAME, prompt=REPEATING, max_tokens=4, logprobs=1, echo=True, stream=True) for c in e.choices
+        if c.logprobs]
+    assert sum((p.token_logprobs for p in streamed), []) == lp.token_logprobs
+
+
+def test_structured_outputs_give_valid_json_with_speculation_on(live, smollm2):
+    """json_schema / json_object / a regex through the openai client: valid, the library's constrained output
+    (greedy: the same with and without drafting, which the server's lookup drafter did), and bad specs a 400."""
+    import json as jsonlib
+
+    client = live.client
+    messages = [{"role": "user", "content": EXTRACT}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=32, response_format=fmt)
+    value = jsonlib.loads(reply.choices[0].message.content)
+    assert set(value) == {"name", "age"} and isinstance(value["name"], str) and isinstance(value["age"], int)
+    assert reply.model_extra["metrics"]["speculative_decoding"]["num_draft_tokens"] > 0
+    plain = generate(smollm2, EXTRACT, chat=True, max_new_tokens=32, json_schema=PERSON)
+    assert reply.choices[0].message.content == plain.text and plain.stats.drafted_tokens == 0
+    any_object = client.chat.completions.create(model=NAME, messages=messages, max_tokens=32,
+                                                response_format={"type": "json_object"})
+    assert isinstance(jsonlib.loads(any_object.choices[0].message.content), dict)
+    digits = client.completions.create(model=NAME, prompt="Anna Berg is", max_tokens=6,
+                                       extra_body={"structured_outputs": {"regex": " [0-9]{2} years"}})
+    assert digits.choices[0].text[:3].strip().isdigit() and digits.choices[0].text.endswith("years")
+    with httpx.Client(timeout=30) as http:
+        for bad, param in (({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}},
+                            None), ({"type": "json_schema"}, "response_format.json_schema.schema"),
+                           ({"type": "xml"}, "response_format")):
+            body = {"model": NAME, "messages": messages, "max_tokens": 4, "response_format": bad}
+            response = http.post(f"{live.url}/v1/chat/completions", json=body)
+            assert_error(response, 400, param)
+        body = {"model": NAME, "prompt": "x", "max_tokens": 4, "structured_outputs": {"regex": "[a-"}}
+        assert "does not compile" in http.post(f"{live.url}/v1/completions", json=body).json()["error"]["message"]
 
 
 def test_the_readme_lists_every_request_field():

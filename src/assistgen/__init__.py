@@ -3,7 +3,7 @@
 from assistgen.api import Generation, generate, load_model, prepare, stream
 from assistgen.backends.embedded import ModelLoadError
 from assistgen.backends.torch.model import Model
-from assistgen.config import ConfigError, GenerationConfig
+from assistgen.config import ConfigError, GenerationConfig, Structure
 from assistgen.drafters.assistant import AssistantDrafter, TokenizerMismatchError
 from assistgen.drafters.base import CompositeDrafter, Draft, Drafter, NoDrafter
 from assistgen.drafters.early_exit import EarlyExitDrafter
@@ -16,6 +16,6 @@ from assistgen.stats import Stats
 __all__ = [
     "Adaptive", "AssistantDrafter", "CompositeDrafter", "ConfigError", "Constant", "Draft", "Drafter",
     "EarlyExitDrafter", "Generation", "GenerationConfig", "Heuristic", "Model", "ModelLoadError", "NGramCache",
-    "NGramCacheDrafter", "NoDrafter", "PromptLookupDrafter", "Stats", "TokenizerMismatchError", "UniversalDrafter",
-    "confidence", "generate", "load_model", "prepare", "stream",
+    "NGramCacheDrafter", "NoDrafter", "PromptLookupDrafter", "Stats", "Structure", "TokenizerMismatchError",
+    "UniversalDrafter", "confidence", "generate", "load_model", "prepare", "stream",
 ]

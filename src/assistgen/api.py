@@ -12,6 +12,7 @@ the model's own `costs` field); `load_model` runs both, as the CLI, the server a
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -19,9 +20,10 @@ from jinja2 import TemplateError
 
 from assistgen.backends.base import LanguageModel
 from assistgen.backends.loader import load
-from assistgen.config import ConfigError, GenerationConfig
+from assistgen.config import ConfigError, GenerationConfig, Structure
 from assistgen.core.engine import Chunk
 from assistgen.core.engine import stream as run_loop
+from assistgen.core.logprobs import TokenLogprob
 from assistgen.drafters.assistant import AssistantDrafter, same_tokenizer
 from assistgen.drafters.base import CompositeDrafter, Drafter, NoDrafter
 from assistgen.drafters.early_exit import EarlyExitDrafter
@@ -40,6 +42,8 @@ class Generation:
     prompt_ids: list[int]
     finish_reason: str
     stats: Stats
+    logprobs: list[TokenLogprob] | None = None  # per new token, when asked for (`logprobs=n`)
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., when asked for (`prompt_logprobs=n`)
 
 
 def load_model(spec: str, fast_linear: bool | str = "auto", backend: str = "auto", **loading):
@@ -191,8 +195,13 @@ def stream(
     to the cost-aware `Adaptive` policy; a schedule (its settings: never changed by a generation, so one
     object can serve many) or its CLI form ('constant:4', 'heuristic').
     `settings` are the fields of `GenerationConfig`:
-    max_new_tokens, temperature, top_k, top_p, seed, stop, eos_token_ids.
+    max_new_tokens, temperature, top_k, top_p, seed, stop, eos_token_ids, logprobs, prompt_logprobs (each chunk
+    then carries its tokens' log-probabilities under the target), structure (a `Structure`: the output follows
+    a JSON schema, any JSON object, a regex or a grammar; `json_schema=` is a shortcut taking a schema as a dict
+    or JSON text).
     """
+    if "json_schema" in settings:
+        settings["structure"] = json_schema_structure(settings.pop("json_schema"))
     try:
         if isinstance(settings.get("stop"), str):
             settings["stop"] = (settings["stop"],)  # one stop string, not its characters
@@ -206,6 +215,15 @@ def stream(
     drafter = make_drafter(target, assistant, lookup, early_exit, ngram_cache)
     schedule = as_schedule(schedule) if schedule is not None else default_schedule()
     yield from run_loop(target, prompt_ids, drafter, schedule, config)
+
+
+def json_schema_structure(schema) -> Structure:
+    """A JSON schema (a dict, or its JSON text) as the structure the output must follow."""
+    if isinstance(schema, dict):
+        return Structure("json_schema", json.dumps(schema))
+    if isinstance(schema, str) and schema.strip():
+        return Structure("json_schema", schema)
+    raise ConfigError(f"json_schema must be a JSON schema: a dict or its JSON text, got {type(schema).__name__}.")
 
 
 def as_schedule(schedule) -> Schedule:
@@ -238,9 +256,14 @@ def generate(
     prompt_ids = encode_prompt(target, prompt, chat)
     tokens: list[int] = []
     text: list[str] = []
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs = None
     last = None
     for chunk in stream(target, prompt_ids, assistant, lookup, schedule, False, early_exit, ngram_cache, **settings):
         tokens.extend(chunk.tokens)
         text.append(chunk.text)
+        if chunk.logprobs is not None:
+            logprobs = (logprobs or []) + chunk.logprobs
+        prompt_logprobs = chunk.prompt_logprobs if chunk.prompt_logprobs is not None else prompt_logprobs
         last = chunk
-    return Generation("".join(text), tokens, prompt_ids, last.finish_reason, last.stats)
+    return Generation("".join(text), tokens, prompt_ids, last.finish_reason, last.stats, logprobs, prompt_logprobs)

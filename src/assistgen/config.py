@@ -38,6 +38,7 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()  # stop strings, matched on decoded text and not emitted
     eos_token_ids: tuple[int, ...] | None = None  # None: from the model's generation config
     logprobs: int | None = None  # None: none; n >= 0: each emitted token's log-probability and its n most likely
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (from the first on), on the first chunk
     structure: Structure | None = None  # None: free text; else the grammar every emitted token must follow
 
     @property
@@ -63,10 +64,12 @@ class GenerationConfig:
             raise ConfigError(f"seed must be an integer, got {self.seed!r}.")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ConfigError(f"stop strings must be non-empty strings, got {self.stop!r}.")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ConfigError(f"logprobs must be None or an integer from 0 to {MAX_LOGPROBS} (the alternatives "
-                              f"to list per token), got {self.logprobs!r}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise ConfigError(f"{name} must be None or an integer from 0 to {MAX_LOGPROBS} (the alternatives "
+                                  f"to list per token), got {value!r}.")
         if self.structure is not None:
             if not isinstance(self.structure, Structure) or self.structure.kind not in STRUCTURES:
                 raise ConfigError(f"structure must be a Structure whose kind is one of {', '.join(STRUCTURES)}, "

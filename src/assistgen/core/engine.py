@@ -42,6 +42,7 @@ class Chunk:
     finish_reason: str | None = None  # set on the last chunk: length | eos | stop | context (| cancelled | error)
     stats: Stats | None = None  # the generation's statistics, live; final on the last chunk
     logprobs: list[TokenLogprob] | None = None  # one per token, when the config asks for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (the first has none): first chunk only
 
 
 @dataclass
@@ -66,6 +67,7 @@ class GenerationState:
     proposal: Proposal = field(default_factory=Proposal)  # this step's draft, made by `draft_for`
     verified: int = 0  # how many of its tokens this step verifies
     forbidden: int | None = None  # the draft token right after the verified ones, when the grammar forbids it
+    prompt_logprobs: list[TokenLogprob] | None = None  # filled by the prefill when the config asks for them
 
     @property
     def prefilling(self) -> bool:
@@ -123,7 +125,8 @@ def step(states: list[GenerationState], prefill_budget: int | None = None) -> li
             constrain(s)
     fed = decoding + [s for s in states if prefill.get(id(s))]
     feeds = [(s.cache, [s.ids[-1]] + s.proposal.draft.tokens[: s.verified], s.verified + 1) for s in decoding]
-    feeds += [(s.cache, prefill[id(s)], 1) for s in fed[len(decoding):]]
+    feeds += [(s.cache, prefill[id(s)], len(prefill[id(s)]) if s.config.prompt_logprobs is not None else 1)
+              for s in fed[len(decoding):]]
     t = clock()
     logits = target.feed_together(feeds)  # per generation [keep, vocab]
     elapsed = clock() - t
@@ -135,6 +138,8 @@ def step(states: list[GenerationState], prefill_budget: int | None = None) -> li
         if id(s) in prefill:  # (it may have just finished its prompt)
             s.stats.prefill_s += elapsed
             s.stats.target_forward_passes += 1
+            if s.config.prompt_logprobs is not None:
+                record_prompt_logprobs(s, rows, len(prefill[id(s)]))
         else:
             share = elapsed if len(fed) == 1 else elapsed * time_share(s, len(fed), rows_in_all, costs)
             chunks[id(s)] = accept(s, rows, share)
@@ -162,6 +167,13 @@ def prefill_rows(prefilling: list[GenerationState], budget: int | None) -> dict[
         if budget is not None:
             budget -= take
     return rows
+
+
+def record_prompt_logprobs(s: GenerationState, rows, fed: int) -> None:
+    """rows [fed, vocab] of the prompt chunk just fed (it ends at len(cache)): each predicts the prompt's next token."""
+    end = len(s.cache)
+    s.prompt_logprobs = (s.prompt_logprobs or []) + token_logprobs(rows, s.ids[end - fed + 1 : end + 1],
+                                                                   s.config.prompt_logprobs, probabilities=False)
 
 
 def draft_for(s: GenerationState) -> None:
@@ -231,7 +243,10 @@ def accept(s: GenerationState, logits, verify_s: float) -> Chunk:
         s.drafter.finish(s.ids)
         s.stats.notes.update(s.drafter.report())
         s.stats.notes.update(s.run.report())
-    return Chunk(new, s.text.delta(final=finish is not None), finish, s.stats, logprobs)
+    prompt_logprobs = None
+    if s.config.prompt_logprobs is not None and s.stats.new_tokens == len(new):  # (the first chunk)
+        prompt_logprobs = s.prompt_logprobs or []
+    return Chunk(new, s.text.delta(final=finish is not None), finish, s.stats, logprobs, prompt_logprobs)
 
 
 def verify(logits, draft, n: int, sampler: Sampler, forbidden: int | None = None):

@@ -3,9 +3,9 @@
 Contract: `BatchEngine(target, make_drafter, schedule, settings)` owns a target model and the thread
 its loop runs on: its own (`start`) or the caller's (`run_forever`).
 `submit(prompt_ids, config, on_chunk, drafter=None)` queues a request (raises `QueueFull` past `settings.max_queue`
-waiting requests, `ConfigError` for a bad prompt or config) and returns its `Request` handle; the
-engine thread admits waiting requests between steps (at most `settings.max_batch` run at once) and
-delivers each request's `engine.Chunk`s, in order, to `on_chunk` (called on the engine thread; by
+waiting requests, `ConfigError` for a bad prompt or config, a grammar that does not compile included) and returns
+its `Request` handle; the engine thread admits waiting requests between steps (at most `settings.max_batch` run at
+once) and delivers each request's `engine.Chunk`s, in order, to `on_chunk` (called on the engine thread; by
 default they go to a queue that iterating the `Request` reads). The last chunk of a request has its
 `finish_reason` set: length | eos | stop | context, or "cancelled" (`Request.cancel()`, e.g. a client
 that went away: its rows are freed before the next step), or "error" (`Request.error` says what).
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from assistgen.backends.base import LanguageModel
 from assistgen.config import ConfigError, GenerationConfig
+from assistgen.core.constraint import compile_structure
 from assistgen.core.engine import Chunk, GenerationState, begin, step
 from assistgen.drafters.base import Drafter
 from assistgen.policy.schedules import Schedule
@@ -125,6 +126,8 @@ class BatchEngine:
     def submit(self, prompt_ids: list[int], config: GenerationConfig,
                on_chunk: Callable[[Chunk], None] | None = None, drafter: Drafter | None = None) -> Request:
         config.validate()
+        if config.structure is not None:  # (a grammar that does not compile is the caller's error, raised here)
+            compile_structure(self.target.tokenizer, self.target.vocab_size, config.structure)
         request = Request(prompt_ids, config, on_chunk, drafter)
         with self.lock:
             if not self.accepting:

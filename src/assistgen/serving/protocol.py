@@ -14,6 +14,7 @@ message. Nothing here runs a model.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from fastapi import FastAPI
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from assistgen.config import ConfigError, GenerationConfig
+from assistgen.config import MAX_LOGPROBS, ConfigError, GenerationConfig, Structure
 
 FINISH_REASONS = {"length": "length", "context": "length", "eos": "stop", "stop": "stop", "cancelled": "abort"}
 
@@ -37,9 +38,6 @@ class StreamOptions(BaseModel):
 # refused with a 400 naming it otherwise (a field accepted and ignored would be a silent wrong answer).
 # name -> (the values that mean "off", why it is refused). The README's request-field table lists them.
 REFUSED: dict[str, tuple[tuple, str]] = {
-    "logprobs": ((None, False, 0), "log-probabilities are not supported by this server yet."),
-    "top_logprobs": ((None, 0), "log-probabilities are not supported by this server yet."),
-    "response_format": ((None, {"type": "text"}), "only {\"type\": \"text\"} is supported (no JSON mode yet)."),
     "tools": ((None, []), "tool calling is not supported: describe the tools in a message instead."),
     "tool_choice": ((None, "none"), "tool calling is not supported."),
     "parallel_tool_calls": ((None,), "tool calling is not supported."),
@@ -79,8 +77,9 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: Any = None  # text | json_object | json_schema (`structure_of` checks it)
+    structured_outputs: Any = None  # vLLM's extension: {"json": schema} | {"regex": ...} | {"grammar": ...}
     # refused unless "off" (REFUSED): typed loosely so that the 400 names the field, whatever was sent
-    logprobs: Any = None
     frequency_penalty: Any = None
     presence_penalty: Any = None
     logit_bias: Any = None
@@ -88,10 +87,25 @@ class Sampling(BaseModel):
     def new_tokens(self) -> int | None:
         return self.max_tokens
 
+    def token_logprobs(self) -> int | None:
+        """How many alternatives to list per emitted token (None: no logprobs)."""
+        return None
+
+    def prompt_logprobs(self) -> int | None:
+        """The same for the prompt's tokens (completions with echo)."""
+        return None
+
 
 class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = Field(None, strict=True, ge=0, le=MAX_LOGPROBS)  # alternatives per token
+
+    def token_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
     best_of: Any = None
     suffix: Any = None
 
@@ -117,8 +131,8 @@ class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, strict=True)
     metadata: dict[str, str] | None = None
-    top_logprobs: Any = None
-    response_format: Any = None
+    logprobs: bool | None = Field(None, strict=True)
+    top_logprobs: int | None = Field(None, strict=True, ge=0, le=MAX_LOGPROBS)
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -140,6 +154,13 @@ class ChatRequest(Sampling):
                                param="max_completion_tokens")
             return self.max_completion_tokens
         return self.max_tokens
+
+    def token_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
 
 def refuse_unsupported(body: Sampling) -> None:
@@ -216,6 +237,8 @@ def generation_config(body: Sampling, limit: int | None, room: int) -> Generatio
     settings = {k: v for k, v in given.items() if v is not None}
     if body.stop is not None:
         settings["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
+    settings.update(logprobs=body.token_logprobs(), prompt_logprobs=body.prompt_logprobs(),
+                    structure=structure_of(body))
     config = GenerationConfig(**settings)
     if asked is None:
         bound = min(room, limit) if limit is not None else room
@@ -232,6 +255,49 @@ def generation_config(body: Sampling, limit: int | None, room: int) -> Generatio
         message = str(e).replace("max_new_tokens", field)  # GenerationConfig's name -> the API's
         param = next((f for f in type(body).model_fields if message.startswith(f)), None)
         raise APIError(400, message, param=param) from e
+
+
+def structure_of(body: Sampling) -> Structure | None:
+    """The grammar `response_format` or `structured_outputs` asks for (at most one of them), or None."""
+    fmt, extension = body.response_format, body.structured_outputs
+    if fmt is not None and extension is not None:
+        raise APIError(400, "Give response_format or structured_outputs, not both.", param="structured_outputs")
+    if extension is not None:
+        return extension_structure(extension)
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Structure("json_object")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(400, 'response_format.json_schema.schema: give the JSON schema as an object, as in '
+                           '{"type": "json_schema", "json_schema": {"name": "...", "schema": {...}}}.',
+                           param="response_format.json_schema.schema")
+        return Structure("json_schema", json.dumps(schema))
+    raise APIError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}.",
+                   param="response_format")
+
+
+def extension_structure(extension) -> Structure:
+    """vLLM's `structured_outputs`: exactly one of json (a schema object), regex (a string), grammar (EBNF)."""
+    given = [k for k, v in extension.items() if v is not None] if isinstance(extension, dict) else None
+    if not given or len(given) != 1 or given[0] not in ("json", "regex", "grammar"):
+        raise APIError(400, 'structured_outputs: give exactly one of {"json": schema}, {"regex": "..."} or '
+                       '{"grammar": "..."}.', param="structured_outputs")
+    name = given[0]
+    value = extension[name]
+    if name == "json":
+        if not isinstance(value, (dict, str)):
+            raise APIError(400, "structured_outputs.json: give a JSON schema object.", param="structured_outputs.json")
+        return Structure("json_schema", value if isinstance(value, str) else json.dumps(value))
+    if not isinstance(value, str) or not value:
+        raise APIError(400, f"structured_outputs.{name}: give a non-empty string.", param=f"structured_outputs.{name}")
+    return Structure(name, value)
 
 
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:

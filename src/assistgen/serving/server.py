@@ -43,6 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from assistgen.api import encode_chat, encode_prompt
 from assistgen.config import ConfigError
 from assistgen.core.engine import Chunk, check_prompt, context_limit
+from assistgen.core.logprobs import TokenLogprob
 from assistgen.drafters.base import Drafter
 from assistgen.drafters.ngram import NGramCache
 from assistgen.serving.batching import BatchEngine, QueueFull, Request
@@ -104,6 +105,8 @@ class Job:
     last_token_at: float | None = None
     completion_tokens: int = 0
     texts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # (when asked for)
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (when asked for, with the first chunk)
     last: Chunk | None = None
 
     @property
@@ -196,6 +199,9 @@ async def follow(state: AppState, job: Job) -> AsyncIterator[Chunk]:
             job.last = chunk
             job.completion_tokens += len(chunk.tokens)
             job.texts.append(chunk.text)
+            job.logprobs += chunk.logprobs or []
+            if chunk.prompt_logprobs is not None:
+                job.prompt_logprobs = chunk.prompt_logprobs
             state.metrics.step(job, chunk, at)
             if chunk.finish_reason is not None:
                 state.metrics.finished(job, chunk.stats, FINISH_REASONS.get(chunk.finish_reason, "error"), at)
@@ -277,14 +283,19 @@ async def reply(state: AppState, jobs: list[Job], head: dict, chat: bool, http: 
         error = failure(job)
         if error is not None:
             raise error
+    tokenizer = state.engine.target.tokenizer
     choices = []
     for i, job in enumerate(jobs):
         text = (echoes[i] if echoes else "") + "".join(job.texts)
         choice = {"index": i, "finish_reason": FINISH_REASONS.get(job.last.finish_reason)}
+        asked = job.request.config.logprobs is not None
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
+            choice["logprobs"] = chat_logprobs(tokenizer, job.logprobs) if asked else None
         else:
-            choice.update(text=text, logprobs=None)
+            echoed = (job.prompt_ids, job.prompt_logprobs) if echoes and asked else None
+            choice.update(text=text, logprobs=completion_logprobs(tokenizer, job.logprobs, 0, echoed)[0]
+                          if asked else None)
         choices.append(choice)
     return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                          "usage": usage(jobs), "metrics": reply_metrics(jobs)})
@@ -293,30 +304,84 @@ async def reply(state: AppState, jobs: list[Job], head: dict, chat: bool, http: 
 async def events(state: AppState, jobs: list[Job], head: dict, chat: bool, include_usage: bool,
                  echoes: list[str] | None) -> AsyncIterator[str]:
     kind = "chat.completion.chunk" if chat else "text_completion"
+    tokenizer = state.engine.target.tokenizer
+    offsets = [0] * len(jobs)  # each choice's text so far (completions' text_offset)
+    started = [False] * len(jobs)
 
-    def event(i: int, delta: dict | str, finish_reason: str | None = None, **extra) -> str:
-        choice = {"index": i, "finish_reason": finish_reason}
+    def event(i: int, text: str, logprobs: dict | None, finish_reason: str | None = None, **extra) -> str:
+        offsets[i] += len(text)
+        choice = {"index": i, "finish_reason": finish_reason, "logprobs": logprobs}
         if chat:
-            choice["delta"] = delta
+            choice["delta"] = {"content": text}
         else:
-            choice.update(text=delta, logprobs=None)
+            choice["text"] = text
         return sse({**head, "object": kind, "choices": [choice], **extra})
 
+    def logprobs_of(i: int, chunk: Chunk, echoed=None) -> dict | None:
+        if chunk.logprobs is None and echoed is None:
+            return None
+        if chat:
+            return chat_logprobs(tokenizer, chunk.logprobs)
+        return completion_logprobs(tokenizer, chunk.logprobs or [], offsets[i], echoed)[0]
+
     if chat:
-        yield event(0, {"role": "assistant", "content": ""})
-    for i, text in enumerate(echoes or []):
-        yield event(i, text)
+        yield sse({**head, "object": kind, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                        "logprobs": None, "finish_reason": None}]})
     async for i, chunk in merged(state, jobs):
+        if echoes and not started[i]:  # the prompt's text (and its logprobs) before the choice's first tokens
+            echoed = (jobs[i].prompt_ids, chunk.prompt_logprobs) if chunk.prompt_logprobs is not None else None
+            yield event(i, echoes[i], logprobs_of(i, Chunk([], ""), echoed) if echoed else None)
+        started[i] = True
         if chunk.finish_reason == "error":
             yield sse(error_body(failure(jobs[i]).message, "server_error"))
         elif chunk.finish_reason is not None:
-            yield event(i, {"content": chunk.text} if chat else chunk.text,
-                        FINISH_REASONS.get(chunk.finish_reason), metrics=spec_decode_metrics(chunk.stats))
-        elif chunk.text:
-            yield event(i, {"content": chunk.text} if chat else chunk.text)
+            yield event(i, chunk.text, logprobs_of(i, chunk), FINISH_REASONS.get(chunk.finish_reason),
+                        metrics=spec_decode_metrics(chunk.stats))
+        elif chunk.text or chunk.logprobs:
+            yield event(i, chunk.text, logprobs_of(i, chunk))
     if include_usage:
         yield sse({**head, "object": kind, "choices": [], "usage": usage(jobs)})
     yield "data: [DONE]\n\n"
+
+
+def token_text(tokenizer, token: int) -> str:
+    return tokenizer.decode([token])
+
+
+def chat_logprobs(tokenizer, logprobs: list[TokenLogprob]) -> dict:
+    """A chat choice's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}."""
+    def entry(token: int, logprob: float) -> dict:
+        text = token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in logprobs], "refusal": None}
+
+
+def completion_logprobs(tokenizer, logprobs: list[TokenLogprob], offset: int,
+                        echoed: tuple[list[int], list[TokenLogprob] | None] | None = None) -> tuple[dict, int]:
+    """A completion choice's `logprobs` ({tokens, token_logprobs, top_logprobs, text_offset}) for these tokens,
+    whose text starts at character `offset`; `echoed`: the prompt's ids and logprobs, listed first (its first
+    token has none). Returns it and the offset after it."""
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def add(token: int, logprob: float | None, top: dict | None) -> None:
+        nonlocal offset
+        text = token_text(tokenizer, token)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(text)
+
+    if echoed is not None:
+        ids, prompt = echoed
+        add(ids[0], None, None)
+        for lp in prompt or []:
+            add(lp.token, lp.logprob, {token_text(tokenizer, t): v for t, v in lp.top})
+    for lp in logprobs:
+        add(lp.token, lp.logprob, {token_text(tokenizer, t): v for t, v in lp.top})
+    return out, offset
 
 
 def sse(payload: Any) -> str:
