@@ -10,7 +10,10 @@ state, which always stands after the tokens emitted so far. Each step the loop c
     mask(logits)             logits [n+1, vocab], n <= m -> a copy with every token the grammar forbids at
                              each position set to -inf, so that greedy and sampled choices (and logprobs)
                              come from the masked target distribution;
-    advance(tokens)          the tokens the step emitted (all drawn from masked rows, so always allowed).
+    advance(tokens)          the tokens the step emitted (all drawn from masked rows, so always allowed);
+    jump_forward()           tokens of the continuation the grammar forces from its state (e.g. the next key
+                             of a JSON object and its quotes), in xgrammar's longest-match tokenization, which
+                             the model's own may differ from: `drafters.grammar` proposes them as a draft.
 A draft token the grammar forbids has target probability 0 after masking: cutting the draft there loses
 nothing when the loop treats it as a rejection at that position (`engine.constrain`). The grammar
 finishes with the generation's EOS tokens, which it allows only where the structure is complete.
@@ -72,6 +75,8 @@ class Constraint:
         """(m, forbidden): the leading draft tokens the grammar allows and the one after them that it forbids;
         the masks of rows 0..m are kept for `mask`."""
         self.masks = self.xgr.allocate_token_bitmask(len(draft) + 1, self.vocab_size)  # (all allowed)
+        if self.matcher.is_terminated():  # (the structure ended with an EOS: nothing after it is emitted)
+            return 0, None
         allowed, forbidden = 0, None
         for token in draft:
             self.matcher.fill_next_token_bitmask(self.masks, allowed)
@@ -88,10 +93,14 @@ class Constraint:
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [n+1, vocab] -> float32 copy, -inf wherever the grammar forbids the token at that row."""
-        masked = logits.float().clone()
+        masked = logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format)  # (xgrammar's kernel
+        # reads rows as contiguous: the torch backend's logits may come transposed)
         self.xgr.apply_token_bitmask_inplace(masked, self.masks[: len(masked)].to(masked.device),
                                              vocab_size=self.vocab_size)
         return masked
+
+    def jump_forward(self) -> list[int]:
+        return list(self.matcher.find_jump_forward_tokens())
 
     def advance(self, tokens: list[int]) -> None:
         for token in tokens:

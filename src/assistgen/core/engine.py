@@ -30,6 +30,7 @@ from assistgen.core.logprobs import TokenLogprob, token_logprobs
 from assistgen.core.sampling import Sampler, verify_greedy, verify_speculative
 from assistgen.core.text import TextStream
 from assistgen.drafters.base import Drafter, Proposal, drafters_of, first_draft
+from assistgen.drafters.grammar import GrammarDrafter
 from assistgen.policy.costs import PassCosts, pass_costs
 from assistgen.policy.schedules import Schedule, ScheduleRun, StepOutcome, verified_lengths
 from assistgen.stats import Stats
@@ -88,8 +89,10 @@ def begin(target: LanguageModel, prompt_ids: list[int], drafter: Drafter, schedu
     check_prompt(prompt_ids, target, context)
     eos = set(config.eos_token_ids if config.eos_token_ids is not None else target.eos_token_ids)
     drafters = drafters_of(drafter)
-    started = target.clock()
     constraint = None if config.structure is None else Constraint.begin(target, config.structure, eos)
+    if constraint is not None and drafters:  # speculating: what the grammar forces is drafted first
+        drafters = [GrammarDrafter(constraint)] + drafters
+    started = target.clock()
     run = schedule.prepare(target, drafters, len(prompt_ids), config.greedy, config.max_new_tokens)  # its state
     return GenerationState(target, list(prompt_ids), drafter, drafters, run, config, Sampler(config),
                            TextStream(target.tokenizer, config.stop),
