@@ -104,14 +104,23 @@ def test_regex_and_grammar_structures(model):
 
 
 def test_masked_rows_are_copies(model):
-    """Masking never writes into the backend's logits (a transposed tensor from the torch backend included)."""
+    """Masking never writes into the backend's logits, and masks each row by its own position's mask, whatever
+    the layout of the logits (the torch backend's can come transposed)."""
     constraint = Constraint.begin(model, Structure("json_object"), set(model.eos_token_ids))
+
+    def allowed(row: int) -> torch.Tensor:  # [vocab] bool
+        bits = constraint.masks[row].numpy().view("uint8")
+        return torch.from_numpy(np.unpackbits(bits, bitorder="little")[: model.vocab_size].astype(bool))
+
     constraint.check([])
-    bits = constraint.masks[0].numpy().view("uint8")
-    allowed = torch.from_numpy(np.unpackbits(bits, bitorder="little")[: model.vocab_size].astype(bool))  # [vocab]
-    logits = torch.randn(model.vocab_size, 1).T  # [1, vocab], not contiguous
+    first = int(allowed(0).nonzero()[0])
+    assert constraint.check([first]) == (1, None)
+    logits = torch.randn(model.vocab_size, 2).T  # [2, vocab], strides (1, 2)
     before = logits.clone()
     masked = constraint.mask(logits)
     assert torch.equal(logits, before)
-    assert torch.equal(torch.isfinite(masked[0]), allowed) and 0 < int(allowed.sum()) < model.vocab_size
-    assert torch.equal(masked[0, allowed], logits[0, allowed])
+    for row in (0, 1):
+        keep = allowed(row)
+        assert torch.equal(torch.isfinite(masked[row]), keep) and 0 < int(keep.sum()) < model.vocab_size
+        assert torch.equal(masked[row, keep], logits[row, keep])
+    assert not torch.equal(allowed(0), allowed(1))
