@@ -124,3 +124,21 @@ def test_masked_rows_are_copies(model):
         assert torch.equal(torch.isfinite(masked[row]), keep) and 0 < int(keep.sum()) < model.vocab_size
         assert torch.equal(masked[row, keep], logits[row, keep])
     assert not torch.equal(allowed(0), allowed(1))
+
+
+def test_the_command_line_takes_a_schema_file(tmp_path, capsys):
+    from assistgen.cli.main import main
+
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    assert main(["generate", "--chat", "--lookup", "--json-schema", str(schema), "--max-new-tokens", str(N),
+                 "--quiet-stats", "--logprobs", "1", PROMPT]) == 0
+    out = capsys.readouterr()
+    assert set(json.loads(out.out)) == set(PERSON["properties"])
+    assert "log-probabilities" in out.err
+    (tmp_path / "bad.json").write_text("{bad")
+    assert main(["generate", "--json-schema", str(tmp_path / "bad.json"), "x"]) == 2
+    assert "bad.json: not valid JSON" in capsys.readouterr().err
+    assert main(["generate", "--regex", "[a-", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "does not compile" in err and ".cc:" not in err

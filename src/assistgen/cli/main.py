@@ -14,7 +14,7 @@ from assistgen.api import load_model, stream
 from assistgen.backends.embedded import EMBEDDED, ModelLoadError, is_installed
 from assistgen.backends.torch.loading import converted_dir, is_cached
 from assistgen.bench.dataset import DatasetError
-from assistgen.cli.options import add_placement, add_quantize, loading, settings_from
+from assistgen.cli.options import add_placement, add_quantize, add_structure, loading, settings_from
 from assistgen.config import ConfigError
 from assistgen.policy.schedules import parse_schedule
 
@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_structure(gen)
+    gen.add_argument("--logprobs", type=int, metavar="N",
+                     help="print each token's log-probability and its N most likely alternatives (on stderr)")
     gen.add_argument("--no-fast-linear", action="store_true", help="keep PyTorch's own linear layers")
     add_quantize(gen)
     add_placement(gen)
@@ -93,18 +96,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     target = load_model(args.model, **loading(args))
     assistant = load_model(args.assistant, **loading(args, assistant=True)) if args.assistant else None
-    last = None
+    last, logprobs = None, []
     for chunk in stream(target, prompt, assistant=assistant, lookup=args.lookup, schedule=args.schedule,
                         chat=args.chat, early_exit=args.early_exit or False, ngram_cache=args.ngram_cache,
                         **settings_from(args)):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
+        logprobs += chunk.logprobs or []
         last = chunk
     sys.stdout.write("\n")
+    if args.logprobs is not None:
+        print_logprobs(target.tokenizer, logprobs)
     if not args.quiet_stats:
         print("\n--- statistics ---", file=sys.stderr)
         print(last.stats.summary(), file=sys.stderr)
     return 0
+
+
+def print_logprobs(tokenizer, logprobs) -> None:
+    print("\n--- log-probabilities (token, logprob, alternatives) ---", file=sys.stderr)
+    for lp in logprobs:
+        top = "  ".join(f"{tokenizer.decode([t])!r} {v:.3f}" for t, v in lp.top)
+        print(f"{tokenizer.decode([lp.token])!r}\t{lp.logprob:.4f}\t{top}", file=sys.stderr)
 
 
 def cmd_models(args: argparse.Namespace) -> int:

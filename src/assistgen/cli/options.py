@@ -4,16 +4,20 @@ Contract: `add_quantize` and `add_placement` declare --quantize, --backend, --as
 --dtype, --context, --sequences and --no-repack on a parser; `placement` and `loading` turn the parsed values into the
 keyword arguments `assistgen.load_model` takes (only those given: no default is re-declared here, and an option
 of the other backend is refused by the loader, not dropped); `settings_from` gives the generation settings a
-command was given.
+command was given, with the output's structure (`add_structure`: --json-schema, --json, --regex, --grammar; files
+read here, so that a missing or malformed one is an error naming it).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from assistgen.backends.loader import BACKENDS
 from assistgen.backends.torch.loading import DTYPES
 from assistgen.backends.torch.quantize import SCHEMES
+from assistgen.config import ConfigError, Structure
 
 
 def add_quantize(p: argparse.ArgumentParser) -> None:
@@ -73,4 +77,44 @@ def settings_from(args: argparse.Namespace) -> dict:
     out = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     if args.stop:
         out["stop"] = tuple(args.stop)
+    structure = structure_from(args)
+    if structure is not None:
+        out["structure"] = structure
+    if getattr(args, "logprobs", None) is not None:
+        out["logprobs"] = args.logprobs
     return out
+
+
+def add_structure(p: argparse.ArgumentParser) -> None:
+    """The output's structure: a JSON schema file, any JSON object, a regex or a grammar file (one of them)."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--json-schema", metavar="FILE", help="the output follows this JSON schema (a .json file)")
+    group.add_argument("--json", action="store_true", help="the output is a JSON object")
+    group.add_argument("--regex", metavar="RE", help="the output matches this regular expression")
+    group.add_argument("--grammar", metavar="FILE", help="the output follows this grammar (xgrammar's EBNF/GBNF)")
+
+
+def structure_from(args: argparse.Namespace) -> Structure | None:
+    """The `Structure` the options name (files read and a schema parsed here: errors name the file)."""
+    if getattr(args, "json_schema", None):
+        text = read_text(args.json_schema, "--json-schema")
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--json-schema {args.json_schema}: not valid JSON ({e.msg} at line {e.lineno}, "
+                              f"column {e.colno}).") from e
+        return Structure("json_schema", text)
+    if getattr(args, "json", False):
+        return Structure("json_object")
+    if getattr(args, "regex", None):
+        return Structure("regex", args.regex)
+    if getattr(args, "grammar", None):
+        return Structure("grammar", read_text(args.grammar, "--grammar"))
+    return None
+
+
+def read_text(path: str, option: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{option} {path}: cannot read it ({e.strerror or e}).") from e

@@ -21,6 +21,8 @@ finishes with the generation's EOS tokens, which it allows only where the struct
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from assistgen.config import ConfigError, Structure
@@ -55,6 +57,7 @@ def compile_structure(tokenizer, vocab_size: int, structure: Structure):
     except (RuntimeError, ValueError, TypeError) as e:
         what = {"json_schema": "JSON schema", "regex": "regular expression", "grammar": "grammar"}[structure.kind]
         detail = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        detail = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", detail)  # (xgrammar's time and C++ source line)
         raise ConfigError(f"The {what} does not compile: {detail}. Fix it (xgrammar's syntax) and retry.") from e
 
 
