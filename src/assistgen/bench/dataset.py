@@ -1,7 +1,8 @@
 """Prompt sets in the Spec-Bench / MT-bench JSONL format.
 
 Contract: one JSON object per line with "question_id", "category", "turns" (a non-empty list of
-strings) and optionally "reference". `read_prompts` raises `DatasetError` naming the file and line
+strings) and optionally "reference" and "schema" (a JSON schema the answer must follow: the prompt then runs
+under structured output). `read_prompts` raises `DatasetError` naming the file and line
 of the first bad record; `select` filters by category and draws a reproducible random subset.
 """
 
@@ -24,10 +25,16 @@ class Prompt:
     category: str
     turns: tuple[str, ...]
     reference: tuple[str, ...] | None = None
+    schema: str | None = None  # JSON text of the schema the answer must follow, or None
 
 
 def default_suite() -> Path:
     return Path(str(files("assistgen").joinpath("data/suite.jsonl")))
+
+
+def extraction_suite() -> Path:
+    """Input-grounded extraction prompts, each with the JSON schema of its answer (structured-output benchmark)."""
+    return Path(str(files("assistgen").joinpath("data/extraction.jsonl")))
 
 
 def read_prompts(path: str | Path) -> list[Prompt]:
@@ -56,8 +63,12 @@ def read_prompts(path: str | Path) -> list[Prompt]:
             raise DatasetError(f"{where}: duplicate question_id {qid!r}.")
         seen.add(qid)
         reference = record.get("reference")
+        schema = record.get("schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise DatasetError(f"{where}: 'schema' must be a JSON schema object.")
         prompts.append(Prompt(qid, str(record["category"]), tuple(turns),
-                              tuple(map(str, reference)) if isinstance(reference, list) else None))
+                              tuple(map(str, reference)) if isinstance(reference, list) else None,
+                              json.dumps(schema) if schema is not None else None))
     if not prompts:
         raise DatasetError(f"{path} holds no prompts.")
     return prompts

@@ -11,13 +11,16 @@ so drift on a noisy machine hits all alike. Runs are timed with the target's clo
 a GPU is synchronized before it is read); transformers' methods run through the torch backend's
 reference (`backends/torch/reference.py`). Each run becomes
 one record (a dict) appended to the results file at once; a rerun with the same file skips the
-records already there. The n-gram cache learns across prompts in the order they run, but never
-from an earlier run of the same prompt: each run drafts from a copy of what the previous prompts
-taught it.
+records already there. A prompt with a JSON schema (its own, or the runner's `schema` for every prompt) runs
+under structured output (assistgen's methods only: transformers' have no grammar), and its record says whether
+the answer is valid JSON that follows the schema ("valid"). The n-gram cache learns across prompts in the order
+they run, but never from an earlier run of the same prompt: each run drafts from a copy of what the previous
+prompts taught it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from collections.abc import Callable
@@ -28,6 +31,7 @@ from assistgen.api import encode_prompt, generate
 from assistgen.backends.base import LanguageModel
 from assistgen.backends.torch.reference import ForwardCounter, hf_generate
 from assistgen.bench.dataset import Prompt
+from assistgen.config import Structure
 from assistgen.drafters.assistant import same_tokenizer
 from assistgen.drafters.ngram import NGramCache
 from assistgen.policy.schedules import parse_schedule
@@ -85,6 +89,7 @@ class Runner:
     # transformers' methods run on these when given (the unquantized models of a quantized run)
     hf_target: LanguageModel | None = None
     hf_assistant: LanguageModel | None = None
+    schema: str | None = None  # a JSON schema (text) for every prompt without its own
 
     def __post_init__(self):
         self.ngram_cache = NGramCache()  # what the prompts run so far taught the n-gram drafter
@@ -95,24 +100,33 @@ class Runner:
 
     def key(self, prompt: Prompt, method: Method, temperature: float, repeat: int = 0) -> str:
         assistant = self.assistant.name if self.assistant else "-"
-        quantized = f"|q={self.target.quantization}" if self.target.quantization else ""
+        quantization = getattr(self.target, "quantization", None)  # (the torch backend's int8/int4)
+        quantized = f"|q={quantization}" if quantization else ""
         again = f"|repeat={repeat}" if repeat else ""  # the first run keeps the key it always had
+        schema = self.schema_of(prompt)
+        structured = f"|schema={hashlib.sha256(schema.encode()).hexdigest()[:12]}" if schema else ""
         return (f"{self.target.name}{quantized}|{assistant}|{prompt.question_id}|{method.spec}|t={temperature}"
-                f"|n={self.max_new_tokens}|turn={self.turn}|chat={self.chat}{again}")
+                f"|n={self.max_new_tokens}|turn={self.turn}|chat={self.chat}{again}{structured}")
+
+    def schema_of(self, prompt: Prompt) -> str | None:
+        return prompt.schema or self.schema
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         return encode_prompt(self.target, prompt.turns[self.turn - 1], chat=self.chat)
 
-    def run(self, method: Method, ids: list[int], temperature: float, max_new_tokens: int) -> dict:
+    def run(self, method: Method, ids: list[int], temperature: float, max_new_tokens: int,
+            schema: str | None = None) -> dict:
         if method.needs_assistant and self.assistant is None:
             raise ValueError(f"Method {method.spec} needs --assistant.")
-        target, assistant = self.target, self.assistant
-        if method.engine == "hf":
-            target, assistant = self.hf_target or target, self.hf_assistant or assistant
+        if schema is not None and method.engine == "hf":
+            raise ValueError(f"{method.spec}: transformers' generate() has no structured output; run assistgen's "
+                             "methods on prompts with a JSON schema.")
+        if method.engine != "hf":
+            return self._run_ours(method, ids, temperature, max_new_tokens, schema)
+        target, assistant = self.hf_target or self.target, self.hf_assistant or self.assistant
         counters = [ForwardCounter(target)] + ([ForwardCounter(assistant)] if assistant else [])
         try:
-            run = self._run_hf if method.engine == "hf" else self._run_ours
-            record = run(method, ids, temperature, max_new_tokens)
+            record = self._run_hf(method, ids, temperature, max_new_tokens)
         finally:
             for c in counters:
                 c.close()
@@ -120,22 +134,28 @@ class Runner:
         record["draft_forward_passes"] = counters[1].count if len(counters) > 1 else 0
         return record
 
-    def _run_ours(self, method, ids, temperature, max_new_tokens) -> dict:
+    def _run_ours(self, method, ids, temperature, max_new_tokens, schema=None) -> dict:
         kwargs = {"lookup": "lookup" in method.sources,
                   "assistant": self.assistant if "assistant" in method.sources else None,
                   "early_exit": "early-exit" in method.sources,
                   "ngram_cache": self.ngram_cache.copy() if "ngram" in method.sources else False}
         if method.schedule:
             kwargs["schedule"] = parse_schedule(method.schedule)
+        if schema is not None:
+            kwargs["structure"] = Structure("json_schema", schema)
         start = self.target.clock()
         out = generate(self.target, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=self.seed,
                        **kwargs)
         seconds = self.target.clock() - start
         s = out.stats
-        return {"tokens": out.token_ids, "seconds": seconds, "mode": s.mode, "steps": s.steps,
-                "drafted": s.drafted_tokens, "accepted": s.accepted_tokens, "draft_s": s.draft_s,
-                "verify_s": s.verify_s, "prefill_s": s.prefill_s, "draft_calls": s.draft_forward_passes,
-                "notes": s.notes}
+        record = {"tokens": out.token_ids, "seconds": seconds, "mode": s.mode, "steps": s.steps,
+                  "drafted": s.drafted_tokens, "accepted": s.accepted_tokens, "draft_s": s.draft_s,
+                  "verify_s": s.verify_s, "prefill_s": s.prefill_s, "draft_calls": s.draft_forward_passes,
+                  "notes": s.notes, "target_forward_passes": s.target_forward_passes,
+                  "draft_forward_passes": s.draft_forward_passes}
+        if schema is not None:
+            record["valid"] = follows_schema(out.text, schema)
+        return record
 
     def _run_hf(self, method, ids, temperature, max_new_tokens) -> dict:
         target, assistant = self.hf_target or self.target, self.hf_assistant or self.assistant
@@ -145,6 +165,17 @@ class Runner:
                                       lookup_tokens=HF_LOOKUP_TOKENS if method.drafter == "lookup" else None,
                                       temperature=temperature, seed=self.seed)
         return {"tokens": tokens, "seconds": seconds, "mode": method.spec}
+
+
+def follows_schema(text: str, schema: str) -> bool:
+    """Whether `text` is JSON that the schema accepts (jsonschema's validator)."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), json.loads(schema))
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+    return True
 
 
 def load_done(path: Path | None) -> dict[str, dict]:
@@ -178,7 +209,7 @@ def run_bench(
     if todo:  # one short warm-up per method: first calls pay one-off allocation costs
         ids = runner.prompt_ids(todo[0][0])
         for m in methods:
-            runner.run(m, ids, todo[0][1], max_new_tokens=4)
+            runner.run(m, ids, todo[0][1], max_new_tokens=4, schema=runner.schema_of(todo[0][0]))
     records = dict(done)
     teach = NGramTeacher(runner, prompts, records) if any("ngram" in m.sources for m in methods) else None
     for i, (prompt, temperature, repeat, method) in enumerate(todo):
@@ -187,7 +218,7 @@ def run_bench(
         if teach:
             teach.before(prompt)
         ids = runner.prompt_ids(prompt)
-        record = runner.run(method, ids, temperature, runner.max_new_tokens)
+        record = runner.run(method, ids, temperature, runner.max_new_tokens, runner.schema_of(prompt))
         record.update(key=runner.key(prompt, method, temperature, repeat), repeat=repeat, model=runner.target.name,
                       assistant=runner.assistant.name if runner.assistant else None,
                       question_id=prompt.question_id, category=prompt.category, method=method.spec,

@@ -13,10 +13,10 @@ import json
 from pathlib import Path
 
 from assistgen.api import load_model
-from assistgen.bench.dataset import default_suite, read_prompts, select
+from assistgen.bench.dataset import default_suite, extraction_suite, read_prompts, select
 from assistgen.bench.report import aggregate, format_table, plot
 from assistgen.bench.runner import Runner, parse_method, run_bench, terminal_progress
-from assistgen.cli.options import add_placement, loading, placement
+from assistgen.cli.options import add_placement, loading, placement, structure_from
 from assistgen.policy.costs import pass_costs
 
 
@@ -27,7 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                      "joined by + (cheapest first), each optionally @schedule; hf-plain, hf-lookup, "
                                      "hf-assistant (default: plain, lookup and their transformers equivalents, "
                                      "plus assistant ones with --assistant)")
-    p.add_argument("--dataset", help="JSONL prompt set (default: the shipped suite)")
+    p.add_argument("--dataset", help="JSONL prompt set (default: the shipped suite; 'extraction': the shipped "
+                                     "extraction prompts, each with the JSON schema of its answer)")
+    p.add_argument("--json-schema", metavar="FILE", help="every prompt without a schema of its own answers in JSON "
+                                                         "following this schema (assistgen's methods only)")
     p.add_argument("--categories", help="comma-separated categories to keep")
     p.add_argument("--n", type=int, help="random subset of N prompts (reproducible with --seed)")
     p.add_argument("--seed", type=int, default=0, help="subset and sampling seed")
@@ -60,6 +63,16 @@ def methods_from(args: argparse.Namespace) -> list:
     return [parse_method(s) for s in dict.fromkeys(specs)]
 
 
+def validity(records: list[dict]) -> dict[str, tuple[int, int]]:
+    """{method: (answers that are valid JSON following their schema, answers)} over the structured runs."""
+    out: dict[str, tuple[int, int]] = {}
+    for r in records:
+        if "valid" in r:
+            ok, n = out.get(r["method"], (0, 0))
+            out[r["method"]] = (ok + bool(r["valid"]), n + 1)
+    return out
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident memory so far, in MiB."""
     import resource
@@ -77,7 +90,8 @@ def peak_gpu_mb(device) -> float | None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    prompts = read_prompts(args.dataset or default_suite())
+    dataset = extraction_suite() if args.dataset == "extraction" else args.dataset or default_suite()
+    prompts = read_prompts(dataset)
     prompts = select(prompts, args.categories.split(",") if args.categories else None, args.n, args.seed)
     methods = methods_from(args)
     if any(m.needs_assistant for m in methods) and not args.assistant:
@@ -93,6 +107,8 @@ def run_command(args: argparse.Namespace) -> int:
     target = load_model(args.model, **loading(args))
     assistant = load_model(args.assistant, **loading(args, assistant=True)) if args.assistant else None
     runner = Runner(target, assistant, args.max_new_tokens, args.chat, args.turn, args.seed)
+    if args.json_schema:
+        runner.schema = structure_from(argparse.Namespace(json_schema=args.json_schema)).spec
     if args.quantize and any(m.engine == "hf" for m in methods):
         runner.hf_target = load_model(args.model, fast_linear=False, **{**where, "backend": "torch"})
         if assistant is not None and any(m.engine == "hf" and m.needs_assistant for m in methods):
@@ -103,6 +119,9 @@ def run_command(args: argparse.Namespace) -> int:
     curve = None if args.no_cost_curve else list(pass_costs(target).curve)
     rows = aggregate(records, curve)
     print(format_table(rows))
+    valid = validity(records)
+    if valid:
+        print("valid JSON following the schema: " + ", ".join(f"{m} {ok}/{n}" for m, (ok, n) in valid.items()))
     quantized = f" (quantized {args.quantize})" if args.quantize else ""
     device = target.device
     gpu = peak_gpu_mb(device)
@@ -116,10 +135,11 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"plot written to {args.plot}")
     print(json.dumps({"benchmark": "assistgen-bench", "model": target.name,
                       "assistant": assistant.name if assistant else None, "quantize": args.quantize,
-                      "device": str(device), "dtype": str(target.dtype).removeprefix("torch."),
+                      "device": str(device), "dtype": str(getattr(target, "dtype", "gguf")).removeprefix("torch."),
                       "repeats": args.repeats, "prompts": len(prompts), "peak_rss_mb": peak_rss_mb(),
                       "peak_gpu_mb": gpu,
                       "methods": [m.spec for m in methods], "temperatures": temperatures,
+                      "valid_json": {m: list(v) for m, v in valid.items()},
                       "max_new_tokens": args.max_new_tokens, "runs_this_time": ran, "cost_curve": curve,
                       "rows": rows}))
     return 0
