@@ -468,6 +468,51 @@ def test_fuzz_never_5xx(small):
         check()
 
 
+def json_schemas():
+    """Small JSON schemas, valid and not (unknown types, odd keywords): what a client may send as a schema."""
+    from hypothesis import strategies as st
+
+    scalar = st.sampled_from([{"type": t} for t in ("string", "integer", "number", "boolean", "null", "objekt")]
+                             + [{"enum": ["a", "b"]}, {"type": "string", "maxLength": 3}, {"minimum": 2}])
+    return st.recursive(scalar, lambda inner: st.one_of(
+        st.builds(lambda props: {"type": "object", "properties": props, "required": sorted(props)[:1]},
+                  st.dictionaries(st.sampled_from(["a", "b", "name"]), inner, max_size=3)),
+        st.builds(lambda items: {"type": "array", "items": items, "maxItems": 2}, inner)), max_leaves=4)
+
+
+def test_fuzz_of_the_structured_output_and_logprobs_fields_never_5xx(small):
+    """The fields this issue honours, fuzzed together with the openai client's shapes: never a 5xx, and every
+    refusal has OpenAI's error body."""
+    from hypothesis import strategies as st
+
+    as_format = lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}  # noqa: E731
+    formats = st.one_of(st.none(), st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "xml"},
+                                                    {"type": "json_schema"}, "json", 3]), json_schemas().map(as_format))
+    extension = st.one_of(st.none(), json_schemas().map(lambda s: {"json": s}),
+                          st.sampled_from([{"regex": "[0-9]+"}, {"regex": "[a-"}, {"grammar": 'root ::= "x"'},
+                                           {"grammar": "root ::="}, {"choice": ["a"]}, {}, [], "regex"]))
+    numbers = st.one_of(st.none(), st.integers(-3, 25), st.booleans(), st.just(2.5))
+
+    @given(fmt=formats, ext=extension, logprobs=numbers, top=numbers, echo=st.booleans(), chat=st.booleans())
+    @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    def check(fmt, ext, logprobs, top, echo, chat):
+        body = {"model": NAME, "max_tokens": 3}
+        body.update({k: v for k, v in (("response_format", fmt), ("structured_outputs", ext),
+                                       ("logprobs", logprobs)) if v is not None})
+        if chat:
+            body.update(messages=[{"role": "user", "content": "Hi"}], **({"top_logprobs": top} if top is not None
+                                                                        else {}))
+        else:
+            body.update(prompt="Hi", echo=echo)
+        response = httpx.post(f"{small.url}/v1/{'chat/completions' if chat else 'completions'}", json=body,
+                              timeout=60)
+        assert response.status_code < 500, (body, response.text)
+        if response.status_code >= 400:
+            assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+    check()
+
+
 def test_the_command_serves_and_exits_0_on_sigterm(tmp_path):
     """`assistgen serve` as a user starts it: it answers, and SIGTERM stops it cleanly (exit status 0)."""
     process, port = start_serve_command("--model", NAME, "--lookup")

@@ -30,13 +30,23 @@ from assistgen.config import ConfigError, Structure
 _COMPILERS: dict[tuple[int, int], tuple[object, object]] = {}  # (id(tokenizer), vocab) -> (tokenizer, compiler)
 
 
+def xgrammar():
+    """The xgrammar module, imported on first use (its import takes seconds)."""
+    try:
+        import xgrammar as xgr
+    except ImportError as e:
+        raise ConfigError("Structured output needs xgrammar: pip install 'assistgen[structured]' (on a CPU-only "
+                          "machine `pip install --no-deps xgrammar==0.2.9` skips triton, which only its GPU "
+                          "kernels use).") from e
+    return xgr
+
+
 def compiler_for(tokenizer, vocab_size: int):
     """The xgrammar compiler of a tokenizer (built once per tokenizer: reading a vocabulary takes ~0.3 s per
     50k tokens); it caches what it compiles."""
     key = (id(tokenizer), vocab_size)
     if key not in _COMPILERS:
-        import xgrammar as xgr  # (imported on first use: its import takes seconds)
-
+        xgr = xgrammar()
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         _COMPILERS[key] = (tokenizer, xgr.GrammarCompiler(info))  # (the tokenizer kept alive: its id is the key)
     return _COMPILERS[key][1]
@@ -63,8 +73,7 @@ def compile_structure(tokenizer, vocab_size: int, structure: Structure):
 
 class Constraint:
     def __init__(self, compiled, vocab_size: int, eos: set[int]):
-        import xgrammar as xgr
-
+        xgr = xgrammar()
         self.xgr = xgr
         self.vocab_size = vocab_size
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(eos))

@@ -15,7 +15,12 @@ of each draft to verify is decided for the whole step by the one optimizer, `gai
 the schedules' acceptance estimates and the measured cost of the step's rows (`costs.PassCosts`), for
 one generation or many alike, so drafting never costs the step more than it brings. The loop sees the
 target only through `backends.base` (cache verbs and clock, vocabulary, EOS, context length): it never
-knows which library computes the logits.
+knows which library computes the logits. Under a grammar (`config.structure`, `constraint.py`) the loop masks
+the target's rows at every verified position, cuts a draft at the first token the grammar forbids (judged as a
+rejection there: `constrain`), and, when it speculates, asks the grammar's own drafter first
+(`drafters.grammar`: the continuation the grammar forces). With `config.logprobs` each chunk carries its tokens'
+log-probabilities, read from the same rows (`logprobs.py`); with `config.prompt_logprobs` the prefill keeps
+every prompt row and the first chunk carries the prompt's.
 """
 
 from __future__ import annotations
