@@ -439,6 +439,57 @@ def test_the_readme_lists_every_request_field():
         assert rows[name].strip().startswith("accepted, no effect"), name
 
 
+# A value that asks for each declared field's feature (the refused ones: see REFUSED's test for every one).
+ASKING = {
+    "model": NAME, "max_tokens": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 7, "stop": ["\n\n"],
+    "n": 1, "stream": False, "stream_options": {"include_usage": True}, "user": "u-1",
+    "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "[0-9]+"}, "prompt": "Hi",
+    "echo": True, "logprobs": 2, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 3,
+    "metadata": {"k": "v"}, "top_logprobs": 2,
+}
+EFFECT = {  # what a reply shows for a field that is honoured (choice -> bool)
+    "response_format": lambda c: c["message"]["content"].startswith("{"),
+    "structured_outputs": lambda c: (c.get("text") or c.get("message", {}).get("content", "")).isdigit(),
+    "echo": lambda c: c["text"].startswith("Hi"),
+    "logprobs": lambda c: c["logprobs"] is not None,
+    "top_logprobs": lambda c: len(c["logprobs"]["content"][0]["top_logprobs"]) == 2,
+}
+
+
+def test_each_documented_field_is_sent_and_does_what_the_readme_says(live):
+    """Every field the README's table calls honoured or accepted, sent on each endpoint that declares it with a
+    value that asks for it: a 200, and where the reply can show it, its effect."""
+    import re
+    from pathlib import Path
+
+    from assistgen.serving.protocol import REFUSED, ChatRequest, CompletionRequest
+
+    readme = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
+    rows = dict(re.findall(r"^\| `([a-z_]+)` \| ([^|]+) \|", readme[readme.index("### Request fields"):], re.M))
+    sent = 0
+    for path, model, base in (("completions", CompletionRequest, {"prompt": "Hi"}),
+                              ("chat/completions", ChatRequest, {"messages": ASKING["messages"]})):
+        for name in model.model_fields:
+            if name in REFUSED or name in ("prompt", "messages"):
+                continue
+            assert rows[name].startswith(("honoured", "accepted", "refused above")), name
+            value = ASKING[name]
+            if name == "logprobs" and path == "chat/completions":
+                value = True
+            body = {"model": NAME, "max_tokens": 3, **base, name: value}
+            if name == "top_logprobs":
+                body["logprobs"] = True
+            if name == "max_completion_tokens":
+                del body["max_tokens"]
+            response = httpx.post(f"{live.url}/v1/{path}", json=body, timeout=60)
+            assert response.status_code == 200, (name, response.text)
+            choice = response.json()["choices"][0]
+            if name in EFFECT and not (name == "response_format" and path == "completions"):
+                assert EFFECT[name](choice), (name, choice)
+            sent += 1
+    assert sent >= 30
+
+
 def test_queue_full_is_429(small):
     body = {"model": NAME, "prompt": "A long prompt to read. " * 60, "max_tokens": 4}
     with httpx.Client(timeout=60) as http, ThreadPoolExecutor(8) as pool:
