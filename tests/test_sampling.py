@@ -189,6 +189,7 @@ def test_the_test_detects_a_broken_acceptance_rule(models, far_assistant, monkey
     assert pair_pvalue(counts, exact_distribution(target, temperature=1.0)) < 0.001
 
 
+@SLOW
 def test_the_test_detects_a_bug_beyond_the_first_draft_position(models, monkeypatch):
     target, assistant = models
     monkeypatch.setattr(assistgen.core.engine, "verify_speculative", broken_later_positions)

@@ -211,7 +211,7 @@ def test_small_vocabularies_intersect_partially(small_mixed):
     assert inter.size == 7  # a..g; 'ab' and 'h' are outside
 
 
-@pytest.mark.parametrize("settings", [{"temperature": 1.0}, pytest.param(
+@pytest.mark.parametrize("settings", [pytest.param({"temperature": 1.0}, marks=pytest.mark.slow), pytest.param(
     {"temperature": 0.8, "top_k": 6, "top_p": 0.95}, marks=pytest.mark.slow)],
                          ids=["t1", "t0.8-topk6-topp0.95"])
 def test_universal_sampling_is_lossless(small_mixed, settings, one_thread):

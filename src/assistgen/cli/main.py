@@ -88,6 +88,15 @@ def add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, help="requests waiting to join; more are answered 429")
     p.add_argument("--prefill-budget", type=int,
                    help="prompt tokens fed per step over all joining requests, beside the running streams' rows")
+    ray = p.add_argument_group("replicas on Ray Serve (without --replicas: one process, no Ray)")
+    ray.add_argument("--replicas", type=int, help="run N replicas on Ray Serve behind its HTTP proxy")
+    ray.add_argument("--ray-address", help="join this Ray cluster (e.g. 10.0.0.5:6379) instead of starting one")
+    ray.add_argument("--max-replicas", type=int, help="autoscale between --replicas and this many")
+    ray.add_argument("--target-ongoing-requests", type=float,
+                     help="autoscaling's target of ongoing requests per replica (default 4)")
+    ray.add_argument("--cpus-per-replica", type=float, help="CPUs Ray reserves for each replica (default 1)")
+    ray.add_argument("--no-route-by-key", dest="route_by_key", action="store_false",
+                     help="send every request to the least loaded replica, keys or not")
     add_quantize(p)
     add_placement(p)
 
@@ -177,6 +186,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from assistgen.serving.batching import BatchEngine, EngineSettings
     from assistgen.serving.server import ServerSettings, serve
 
+    if args.replicas is not None or args.ray_address:
+        return serve_on_ray(args)
+    alone = [f"--{n.replace('_', '-')}" for n in ("max_replicas", "target_ongoing_requests", "cpus_per_replica")
+             if getattr(args, n) is not None] + ([] if args.route_by_key else ["--no-route-by-key"])
+    if alone:
+        raise ConfigError(f"{', '.join(alone)} set(s) how Ray Serve runs replicas: add --replicas N.")
     target = load_model(args.model, **loading(args))
     assistant = load_model(args.assistant, **loading(args, assistant=True)) if args.assistant else None
     drafters = partial(make_drafter, target, assistant, args.lookup, args.early_exit or False)
@@ -186,6 +201,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = BatchEngine(target, drafters, schedule, EngineSettings(**given))
     settings = ServerSettings(model_name=args.model, ngram_cache=args.ngram_cache)
     return serve(engine, settings, args.host, args.port, drafters)
+
+
+def serve_on_ray(args: argparse.Namespace) -> int:
+    """`assistgen serve --replicas N`: the same server as N Ray Serve replicas (`serving/ray.py`)."""
+    from assistgen.serving.ray import ReplicaOptions, ReplicaSpec, run
+
+    given = {n: getattr(args, n) for n in ("max_batch", "max_queue", "prefill_budget") if getattr(args, n) is not None}
+    spec = ReplicaSpec(args.model, loading(args), args.assistant, loading(args, assistant=True) if args.assistant
+                       else {}, args.lookup, args.early_exit or False, args.schedule, given, args.ngram_cache)
+    chosen = {n: getattr(args, n) for n in ("max_replicas", "target_ongoing_requests", "cpus_per_replica")
+              if getattr(args, n) is not None}
+    options = ReplicaOptions(replicas=args.replicas or 1, route_by_key=args.route_by_key, **chosen)
+    return run(spec, options, args.host, args.port, args.ray_address)
 
 
 def main(argv: list[str] | None = None) -> int:

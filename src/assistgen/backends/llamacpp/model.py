@@ -45,7 +45,7 @@ class LlamaSettings:
 
     context: int | None = None  # KV cells shared by all sequences; None: min(the model's trained context, 4096)
     sequences: int = 32  # sequences that can live at once (requests and their forks, drafts included)
-    threads: int | None = None  # None: the CPUs this process may run on
+    threads: int | None = None  # None: OMP_NUM_THREADS when set (Ray sets it per replica), else this process's CPUs
     # On `make llamacpp`'s build (its patch: a switch to ggml's reference CPU kernels for a pass), a feed that asks
     # logits for every row it adds (a verification, a decoding step) is computed by kernels that give each row the
     # same bits whatever shares its pass; a feed with rows that need no logits (a prompt) goes through ggml's
@@ -59,7 +59,8 @@ class LlamaSettings:
     def thread_count(self) -> int:
         import os
 
-        return self.threads or len(os.sched_getaffinity(0))
+        given = os.environ.get("OMP_NUM_THREADS", "")
+        return self.threads or (int(given) if given.isdigit() and int(given) > 0 else len(os.sched_getaffinity(0)))
 
 
 DEFAULT_CONTEXT = 4096

@@ -1,0 +1,352 @@
+"""`assistgen serve --replicas N`: the OpenAI-compatible server as replicas on Ray Serve.
+
+Contract: `application(spec, options)` builds a Ray Serve application of two deployments:
+- `Replica` (N of them, or autoscaled on ongoing requests): each loads the model and runs the single-process
+  server's own app (`server.create_app` over a `BatchEngine`), called in-process as an ASGI app
+  (`call_app`), so that every endpoint, check, error body and stream is the single-process server's;
+- `Ingress` (one, behind Ray Serve's HTTP proxy): takes each HTTP request and hands its method, path, headers
+  and body to a replica through a streaming deployment handle, and relays status, headers and body chunks.
+Routing: a request with an API key (the bearer token) goes out with a multiplexed model id derived from the key
+(`route_key`): Ray Serve's model-multiplexing router sends it to a replica that has served that key before
+(the replica's `namespace` loader marks it), so that its n-gram cache namespace, which lives per replica,
+keeps drafting from the key's earlier requests; a request without a key goes to the least loaded replica
+(Serve's default router). A replica that dies mid-stream ends the stream with an error event and `[DONE]`
+(an HTTP 503 when it dies before answering); Ray Serve's controller starts a replacement.
+`/metrics` on the ingress is each replica's own Prometheus registry merged: every replica pushes its samples
+to the ingress every `METRICS_PUSH_S` seconds; counters and histograms are added up over the replicas,
+gauges over the replicas heard from in the last `STALE_S` seconds. Per request nothing is kept; per replica
+live the model, the engine, the n-gram caches of the keys routed there and the metrics.
+`run(spec, options, host, port, address)` starts (or joins) Ray, runs the application until SIGINT/SIGTERM
+and shuts Serve down; `assistgen serve` without --replicas never imports Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from assistgen.config import ConfigError
+
+METRICS_PUSH_S = 2.0
+STALE_S = 10.0
+NO_KEY = ""  # the multiplexed model id of a request without an API key: no affinity
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What each replica loads and how it serves (the `assistgen serve` options, minus where to listen)."""
+
+    model: str
+    loading: dict = field(default_factory=dict)  # load_model keyword arguments (backend, quantize, ...)
+    assistant: str | None = None
+    assistant_loading: dict = field(default_factory=dict)
+    lookup: bool = False
+    early_exit: bool | int = False
+    schedule: object = None  # a schedule (settings only: picklable) or its CLI form; None: the adaptive policy
+    engine: dict = field(default_factory=dict)  # EngineSettings fields
+    ngram_cache: bool = False
+    max_tokens_limit: int | None = None
+
+
+@dataclass(frozen=True)
+class ReplicaOptions:
+    """How many replicas and what each may use; `max_replicas` above `replicas` turns autoscaling on."""
+
+    replicas: int = 2
+    max_replicas: int | None = None  # autoscaling between `replicas` and this many
+    target_ongoing_requests: float = 4.0  # autoscaling's target of ongoing requests per replica
+    cpus_per_replica: float = 1.0
+    max_ongoing_requests: int = 64  # per replica (the engine's own queue bounds it further)
+    route_by_key: bool = True  # False: every request goes to the least loaded replica (to measure what keys bring)
+
+    def __post_init__(self):
+        if self.replicas < 1:
+            raise ConfigError(f"--replicas must be at least 1, got {self.replicas}.")
+        if self.max_replicas is not None and self.max_replicas < self.replicas:
+            raise ConfigError(f"--max-replicas ({self.max_replicas}) is below --replicas ({self.replicas}).")
+        if self.cpus_per_replica <= 0:
+            raise ConfigError(f"--cpus-per-replica must be above 0, got {self.cpus_per_replica}.")
+
+    def deployment_options(self) -> dict:
+        options = {"ray_actor_options": {"num_cpus": self.cpus_per_replica},
+                   "max_ongoing_requests": self.max_ongoing_requests}
+        if self.max_replicas is not None and self.max_replicas > self.replicas:
+            options["autoscaling_config"] = {"min_replicas": self.replicas, "max_replicas": self.max_replicas,
+                                             "target_ongoing_requests": self.target_ongoing_requests}
+        else:
+            options["num_replicas"] = self.replicas
+        return options
+
+
+def route_key(authorization: str | None) -> str:
+    """The multiplexed model id of a request: a hash of its bearer token (the key itself never leaves the
+    ingress), or NO_KEY."""
+    scheme, _, key = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return NO_KEY
+    return "key-" + hashlib.sha256(key.strip().encode()).hexdigest()[:32]
+
+
+# --- calling an ASGI app in-process --------------------------------------------------------------------------
+
+
+async def call_app(app, method: str, path: str, headers: list[tuple[str, str]], body: bytes,
+                   gone: asyncio.Event) -> AsyncIterator[tuple[int, list[tuple[str, str]]] | bytes]:
+    """Run one HTTP request through an ASGI app: yields (status, headers) first, then the body's chunks.
+    Setting `gone` tells the app its client disconnected."""
+    path, _, query = path.partition("?")
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": query.encode(), "root_path": "",
+             "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers],
+             "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 80)}
+    messages: asyncio.Queue = asyncio.Queue()
+    sent_body = False
+
+    async def receive() -> dict:
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        await messages.put(message)
+
+    async def run_app() -> None:
+        try:
+            await app(scope, receive, send)
+        finally:
+            await messages.put(None)
+
+    task = asyncio.create_task(run_app())
+    try:
+        while (message := await messages.get()) is not None:
+            if message["type"] == "http.response.start":
+                yield message["status"], [(k.decode("latin-1"), v.decode("latin-1"))
+                                          for k, v in message.get("headers", [])]
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    yield message["body"]
+                if not message.get("more_body", False):
+                    break
+    finally:
+        gone.set()
+        await task
+
+
+# --- the deployments ------------------------------------------------------------------------------------------
+
+
+def build_server(spec: ReplicaSpec):
+    """The single-process server's app and engine for a replica (the model loaded here)."""
+    from functools import partial
+
+    from assistgen.api import as_schedule, default_schedule, load_model, make_drafter
+    from assistgen.serving.batching import BatchEngine, EngineSettings
+    from assistgen.serving.server import ServerSettings, create_app
+
+    target = load_model(spec.model, **spec.loading)
+    assistant = load_model(spec.assistant, **spec.assistant_loading) if spec.assistant else None
+    drafters = partial(make_drafter, target, assistant, spec.lookup, spec.early_exit)
+    schedule = as_schedule(spec.schedule) if spec.schedule is not None else default_schedule()
+    engine = BatchEngine(target, drafters, schedule, EngineSettings(**spec.engine))
+    app = create_app(engine, ServerSettings(model_name=spec.model, ngram_cache=spec.ngram_cache,
+                                            max_tokens_limit=spec.max_tokens_limit), drafters)
+    return app, engine
+
+
+def deployments(options: ReplicaOptions):
+    """The two deployment classes (made here: Ray is imported only when replicas are asked for)."""
+    from fastapi import FastAPI
+    from fastapi import Request as HTTPRequest
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from ray import serve
+
+    from assistgen.serving.protocol import error_body
+
+    @serve.deployment(**options.deployment_options())
+    class Replica:
+        def __init__(self, spec: ReplicaSpec, ingress_name: str, app_name: str):
+            # (Ray sets OMP_NUM_THREADS to the replica's CPUs, which PyTorch's and llama.cpp's threads follow)
+            self.app, self.engine = build_server(spec)
+            self.engine.start()
+            self.pid = os.getpid()
+            self.ingress = serve.get_deployment_handle(ingress_name, app_name)
+            threading.Thread(target=self.push_metrics, name="assistgen-metrics", daemon=True).start()
+
+        @serve.multiplexed(max_num_models_per_replica=4096)
+        async def namespace(self, key: str) -> str:
+            return key  # ("loading" a key only marks this replica as the one its requests go to)
+
+        async def call(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes):
+            key = serve.get_multiplexed_model_id()
+            if key:
+                await self.namespace(key)
+            gone = asyncio.Event()
+            first = True
+            try:
+                async for item in call_app(self.app, method, path, headers, body, gone):
+                    if first:
+                        status, out_headers = item
+                        item = (status, out_headers + [("x-assistgen-replica", str(self.pid))])
+                        first = False
+                    yield item
+            finally:
+                gone.set()  # (a caller that stopped reading: the app cancels the engine request)
+
+        def push_metrics(self) -> None:
+            from prometheus_client import generate_latest
+
+            while True:
+                try:
+                    text = generate_latest(self.app.state.metrics.registry).decode()
+                    self.ingress.report.remote(str(self.pid), text).result(timeout_s=METRICS_PUSH_S * 5)
+                except Exception:  # noqa: BLE001 - the ingress may be starting or gone: try again later
+                    pass
+                time.sleep(METRICS_PUSH_S)
+
+        def __del__(self):
+            self.engine.shutdown(cancel=True, timeout=5.0)
+
+    http = FastAPI(title="assistgen (Ray Serve)")
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
+    @serve.ingress(http)
+    class Ingress:
+        def __init__(self, replica, route_by_key: bool):
+            self.replica = replica
+            self.route_by_key = route_by_key
+            self.reports: dict[str, tuple[float, str]] = {}  # replica -> (when, its metrics text)
+
+        def report(self, replica: str, text: str) -> None:
+            self.reports[replica] = (time.monotonic(), text)
+
+        @http.get("/metrics")
+        async def metrics(self):
+            from prometheus_client import CONTENT_TYPE_LATEST
+
+            return Response(merged_metrics(self.reports, time.monotonic()), media_type=CONTENT_TYPE_LATEST)
+
+        @http.api_route("/{path:path}", methods=["GET", "POST"])
+        async def forward(self, path: str, request: HTTPRequest):
+            body = await request.body()
+            headers = list(request.headers.items())
+            target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
+            key = route_key(request.headers.get("authorization")) if self.route_by_key else NO_KEY
+            stream = self.replica.options(stream=True, multiplexed_model_id=key).call.remote(
+                request.method, target, headers, body)
+            try:
+                status, out_headers = await stream.__anext__()
+            except Exception as e:  # noqa: BLE001 - the replica died before answering
+                return JSONResponse(error_body(f"The replica serving this request failed: {type(e).__name__}. "
+                                               "Retry: Ray Serve is replacing it.", "service_unavailable"), 503)
+            kept = {k: v for k, v in out_headers if k.lower() not in ("content-length", "transfer-encoding")}
+            return StreamingResponse(relay(stream), status_code=status, headers=kept,
+                                     media_type=kept.get("content-type"))
+
+    return Replica, Ingress
+
+
+async def relay(stream) -> AsyncIterator[bytes]:
+    """A replica's body chunks; a replica that dies mid-stream ends it with an error event and [DONE]."""
+    import json
+
+    from assistgen.serving.protocol import error_body
+
+    try:
+        async for chunk in stream:
+            yield chunk
+    except Exception as e:  # noqa: BLE001
+        message = f"The replica serving this stream failed: {type(e).__name__}. Retry the request."
+        yield f"data: {json.dumps(error_body(message, 'server_error'))}\n\ndata: [DONE]\n\n".encode()
+
+
+def merged_metrics(reports: dict[str, tuple[float, str]], now: float) -> str:
+    """The replicas' Prometheus texts as one: samples with the same name and labels added up (gauges only over
+    replicas heard from in the last STALE_S seconds)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[tuple, float] = {}
+    kinds: dict[str, tuple[str, str]] = {}
+    order: list[tuple] = []
+    for when, text in reports.values():
+        fresh = now - when <= STALE_S
+        for family in text_string_to_metric_families(text):
+            kinds.setdefault(family.name, (family.type, family.documentation))
+            if family.type == "gauge" and not fresh:
+                continue
+            for sample in family.samples:
+                key = (family.name, sample.name, tuple(sorted(sample.labels.items())))
+                if key not in totals:
+                    order.append(key)
+                    totals[key] = 0.0
+                totals[key] += sample.value
+    lines, seen = [], set()
+    for family, name, labels in order:
+        if family not in seen:
+            seen.add(family)
+            kind, doc = kinds[family]
+            lines += [f"# HELP {family} {doc}", f"# TYPE {family} {kind}"]
+        label_text = ",".join(f'{k}="{v}"' for k, v in labels)
+        lines.append(f"{name}{{{label_text}}} {totals[(family, name, labels)]!r}" if labels
+                     else f"{name} {totals[(family, name, labels)]!r}")
+    return "\n".join(lines) + "\n"
+
+
+# --- running it -----------------------------------------------------------------------------------------------
+
+APP_NAME = "assistgen"
+
+
+def application(spec: ReplicaSpec, options: ReplicaOptions):
+    replica, ingress = deployments(options)
+    return ingress.bind(replica.bind(spec, "Ingress", APP_NAME), options.route_by_key)
+
+
+def start(spec: ReplicaSpec, options: ReplicaOptions, host: str, port: int, address: str | None = None,
+          num_cpus: int | None = None):
+    """Start (or join, with `address`) Ray and Serve on host:port and deploy the application; returns once every
+    replica has loaded its model."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        if address:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                     _node_ip_address="127.0.0.1")
+    serve.start(http_options={"host": host, "port": port})
+    return serve.run(application(spec, options), name=APP_NAME, route_prefix="/")
+
+
+def stop() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+def run(spec: ReplicaSpec, options: ReplicaOptions, host: str, port: int, address: str | None = None) -> int:
+    """`assistgen serve --replicas N`: serve until SIGINT/SIGTERM, then shut Serve down; 0 after a clean stop."""
+    start(spec, options, host, port, address)
+    print(f"assistgen: serving {spec.model} on {options.replicas} Ray Serve replicas at http://{host}:{port}/v1",
+          flush=True)
+    stopping = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stopping.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stopping.wait(0.5):
+            pass
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        stop()
+    return 0
