@@ -20,7 +20,7 @@ live the model, the engine, the n-gram caches of the keys routed there and the m
 and shuts Serve down; `assistgen serve` without --replicas never imports Ray.
 """
 
-from __future__ import annotations
+# (no `from __future__ import annotations`: Serve's ingress hands FastAPI the handlers with their annotations as they are)
 
 import asyncio
 import hashlib
@@ -30,6 +30,8 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+
+from fastapi import Request as HTTPRequest  # (at module level: FastAPI resolves the handlers' annotations here)
 
 from assistgen.config import ConfigError
 
@@ -165,7 +167,6 @@ def build_server(spec: ReplicaSpec):
 def deployments(options: ReplicaOptions):
     """The two deployment classes (made here: Ray is imported only when replicas are asked for)."""
     from fastapi import FastAPI
-    from fastapi import Request as HTTPRequest
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from ray import serve
 
