@@ -1,5 +1,10 @@
 """Load test of OpenAI-compatible servers: `assistgen serve` and `llama-server`, driven by the same client.
 
+(Configurations ray1, ray2, ray1-ngram, ray2-ngram, ray2-ngram-nokey run `assistgen serve --replicas N` on Ray
+Serve; with `--keyed-clients` each client has its own API key and repeats its own prompt, and the table's
+accepted/accept columns (the draft tokens the server reported accepting) show what routing by key keeps.
+The RSS column is the serving process's own: with Ray, the driver's, not the replicas'.)
+
 Contract: for each configuration (assistgen: plain, lookup, ngram (the n-gram cache), assistant (`--draft`, same
 tokenizer), universal (`--universal`, another tokenizer), each with `--backend`; llama.cpp's `llama-server`
 (`--llama-server BIN`): llama, llama-ngram (`--spec-type ngram-simple`), llama-ngram-mod (`ngram-mod`),
@@ -43,7 +48,11 @@ from assistgen.backends.embedded import EMBEDDED
 from assistgen.bench.dataset import default_suite, read_prompts
 
 ASSISTGEN = {"plain": [], "lookup": ["--lookup"], "ngram": ["--ngram-cache"], "assistant": ["--assistant", "{draft}"],
-             "universal": ["--assistant", "{universal}"]}
+             "universal": ["--assistant", "{universal}"],
+             # replicas on Ray Serve (`serve --replicas`): the overhead, and routing by key for the n-gram cache
+             "ray1": ["--replicas", "1"], "ray2": ["--replicas", "2"],
+             "ray1-ngram": ["--replicas", "1", "--ngram-cache"], "ray2-ngram": ["--replicas", "2", "--ngram-cache"],
+             "ray2-ngram-nokey": ["--replicas", "2", "--ngram-cache", "--no-route-by-key"]}
 LLAMA_SERVER = {"llama": [], "llama-ngram": ["--spec-type", "ngram-simple"],
                 "llama-ngram-mod": ["--spec-type", "ngram-mod"],
                 "llama-draft": ["-md", "{draft_gguf}", "--spec-type", "draft-simple"]}
@@ -58,6 +67,8 @@ class Round:
     seconds: float = 0.0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
+    drafted: int = 0  # draft tokens the server reported verifying (metrics.speculative_decoding)
+    accepted: int = 0
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     rss_mb: float = 0.0
@@ -68,7 +79,8 @@ class Round:
                 "decode_by_category": {c: t / s if s else 0.0 for c, (t, s) in self.by_category.items()},
                 "tok_s": self.tokens / self.seconds if self.seconds else 0.0,
                 "decode_tok_s": self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0,
-                "peak_rss_mb": self.rss_mb,
+                "peak_rss_mb": self.rss_mb, "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance": self.accepted / self.drafted if self.drafted else 0.0,
                 "ttft_p50": percentile(self.ttft, 50), "ttft_p95": percentile(self.ttft, 95),
                 "itl_p50": percentile(self.itl, 50), "itl_p95": percentile(self.itl, 95)}
 
@@ -155,6 +167,10 @@ async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, max_t
     async for event in events:
         if event.usage:
             tokens = event.usage.completion_tokens
+        spec = ((event.model_extra or {}).get("metrics") or {}).get("speculative_decoding")
+        if spec:
+            result.drafted += spec["num_draft_tokens"]
+            result.accepted += spec["num_accepted_draft_tokens"]
         content = "".join(c.delta.content or "" for c in event.choices if c.delta)
         if not content:
             continue
@@ -179,28 +195,35 @@ async def run_round(url: str, args, config: str, concurrency: int, prompts: list
     result = Round(config, concurrency)
 
     queue = list(range(args.round_requests))
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", timeout=args.request_timeout,
-                                max_retries=2)  # a keep-alive connection the server closed is retried
 
-    async def one_client():
+    def new_client(key: str) -> openai.AsyncOpenAI:  # (a keep-alive connection the server closed is retried)
+        return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, timeout=args.request_timeout, max_retries=2)
+
+    shared = new_client("bench")
+    clients = [new_client(f"client-{i}") if args.keyed_clients else shared for i in range(concurrency)]
+
+    async def one_client(i: int):
         while queue:
-            prompt, category = prompts[queue.pop(0) % len(prompts)]
-            await one_request(client, args.model, prompt, args.max_tokens, result, category)
+            n = queue.pop(0)
+            # keyed clients: each its own API key, repeating its own prompt (what routing by key is for)
+            prompt, category = prompts[(i if args.keyed_clients else n) % len(prompts)]
+            await one_request(clients[i], args.model, prompt, args.max_tokens, result, category)
 
     started = time.perf_counter()
-    await asyncio.gather(*(one_client() for _ in range(concurrency)))
+    await asyncio.gather(*(one_client(i) for i in range(concurrency)))
     result.seconds = time.perf_counter() - started
-    await client.close()
+    for client in {id(c): c for c in clients}.values():
+        await client.close()
     return result
 
 
 def table(rows: list[dict]) -> str:
     lines = [f"{'config':<16}{'clients':>8}{'tokens':>8}{'tok/s':>8}{'decode':>8}{'ttft p50':>10}{'ttft p95':>10}"
-             f"{'itl p50':>9}{'itl p95':>9}{'RSS MiB':>9}"]
+             f"{'itl p50':>9}{'itl p95':>9}{'RSS MiB':>9}{'accepted':>10}{'accept':>8}"]
     for r in rows:
         lines.append(f"{r['config']:<16}{r['concurrency']:>8}{r['tokens']:>8}{r['tok_s']:>8.1f}"
                      f"{r['decode_tok_s']:>8.1f}{r['ttft_p50']:>10.3f}{r['ttft_p95']:>10.3f}{r['itl_p50']:>9.3f}"
-                     f"{r['itl_p95']:>9.3f}{r['peak_rss_mb']:>9.0f}")
+                     f"{r['itl_p95']:>9.3f}{r['peak_rss_mb']:>9.0f}{r['accepted']:>10}{r['acceptance']:>8.0%}")
     return "\n".join(lines)
 
 
@@ -262,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--categories", nargs="+", help="only prompts of these suite categories")
     parser.add_argument("--per-category", type=int, help="only the first N prompts of each category")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--keyed-clients", action="store_true",
+                        help="each client its own API key and its own prompt, repeated (the n-gram routing workload)")
     parser.add_argument("--max-batch", type=int, help="passed to the server (default: EngineSettings')")
     parser.add_argument("--prompts", type=Path, default=default_suite())
     parser.add_argument("--plot", type=Path, default=Path("out/serve_load.png"))

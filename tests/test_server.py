@@ -576,3 +576,32 @@ def test_the_command_serves_and_exits_0_on_sigterm(tmp_path):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_replica_metrics_merge_by_adding_up_and_dropping_stale_gauges():
+    """What `serve --replicas` serves at /metrics (serving/ray.py): the replicas' registries added up."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from assistgen.serving.ray import STALE_S, merged_metrics, route_key
+
+    def text(tokens: float, running: float) -> str:
+        return ("# HELP assistgen:generation_tokens Tokens.\n# TYPE assistgen:generation_tokens counter\n"
+                f"assistgen:generation_tokens_total {tokens}\n"
+                "# HELP assistgen:num_requests_running Running.\n# TYPE assistgen:num_requests_running gauge\n"
+                f"assistgen:num_requests_running {running}\n")
+
+    merged = merged_metrics({"a": (100.0, text(5, 2)), "b": (100.0 - STALE_S - 1, text(7, 3))}, now=100.0)
+    samples = {s.name: s.value for f in text_string_to_metric_families(merged) for s in f.samples}
+    assert samples == {"assistgen:generation_tokens_total": 12.0, "assistgen:num_requests_running": 2.0}
+    assert route_key("Bearer alice") == route_key("bearer  alice ") != route_key("Bearer bob")
+    assert route_key(None) == route_key("Basic xyz") == route_key("Bearer ") == ""
+    assert "alice" not in route_key("Bearer alice")
+
+
+def test_replica_options_without_replicas_are_refused(capsys):
+    from assistgen.cli.main import main
+
+    assert main(["serve", "--max-replicas", "4"]) == 2
+    assert "--max-replicas" in capsys.readouterr().err
+    assert main(["serve", "--replicas", "3", "--max-replicas", "2"]) == 2
+    assert "below --replicas" in capsys.readouterr().err

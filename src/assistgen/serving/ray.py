@@ -10,8 +10,9 @@ Routing: a request with an API key (the bearer token) goes out with a multiplexe
 (`route_key`): Ray Serve's model-multiplexing router sends it to a replica that has served that key before
 (the replica's `namespace` loader marks it), so that its n-gram cache namespace, which lives per replica,
 keeps drafting from the key's earlier requests; a request without a key goes to the least loaded replica
-(Serve's default router). A replica that dies mid-stream ends the stream with an error event and `[DONE]`
-(an HTTP 503 when it dies before answering); Ray Serve's controller starts a replacement.
+(Serve's default router), as every request does with `ReplicaOptions.route_by_key` False. A replica that
+dies mid-stream ends the stream with an error event and `[DONE]` (an HTTP 503 when it dies before answering);
+Ray Serve's controller starts a replacement.
 `/metrics` on the ingress is each replica's own Prometheus registry merged: every replica pushes its samples
 to the ingress every `METRICS_PUSH_S` seconds; counters and histograms are added up over the replicas,
 gauges over the replicas heard from in the last `STALE_S` seconds. Per request nothing is kept; per replica
@@ -20,7 +21,7 @@ live the model, the engine, the n-gram caches of the keys routed there and the m
 and shuts Serve down; `assistgen serve` without --replicas never imports Ray.
 """
 
-# (no `from __future__ import annotations`: Serve's ingress hands FastAPI the handlers with their annotations as they are)
+# (no `from __future__ import annotations`: Serve's ingress hands FastAPI the handlers' annotations as they are)
 
 import asyncio
 import hashlib
