@@ -126,18 +126,20 @@ def test_universal_gemma3_drafted_by_smollm2_is_exact(gemma3, smollm2_fast, name
 
 
 @pytest.mark.parametrize("scheme", [pytest.param("int8", marks=pytest.mark.slow), "int4"])
-def test_quantized_real_models_speculate_token_for_token_like_plain_decoding(scheme):
+@pytest.mark.parametrize("which", ["smollm2", pytest.param("gemma3", marks=pytest.mark.slow)])
+def test_quantized_real_models_speculate_token_for_token_like_plain_decoding(scheme, which):
     """No near-tie exception with quantized weights: every drafter gives plain decoding's tokens exactly."""
     from assistgen.backends.torch.quantize import QuantizedLinear, row_independent
 
     smol = load_model("smollm2-135m", quantize=scheme)
-    gemma = load_model("gemma3-270m", quantize=scheme)
-    for model in (smol, gemma):
+    gemma = load_model("gemma3-270m", quantize=scheme) if which == "gemma3" else None
+    for model in (smol, gemma) if gemma is not None else (smol,):
         layers = {(m.in_features, m.out_features, type(m)): m for m in model.hf.modules()
                   if isinstance(m, QuantizedLinear)}
         assert layers and all(row_independent(m) for m in layers.values())  # every shape and kind used
-    cases = [(smol, {"lookup": True}, True), (smol, {"assistant": smol, "schedule": "constant:4"}, True),
-             (gemma, {"lookup": True}, False), (gemma, {"assistant": smol, "schedule": "constant:3"}, False)]
+    cases = ([(smol, {"lookup": True}, True), (smol, {"assistant": smol, "schedule": "constant:4"}, True)]
+             if gemma is None else
+             [(gemma, {"lookup": True}, False), (gemma, {"assistant": smol, "schedule": "constant:3"}, False)])
     plains: dict = {}  # (model, text): plain decoding's tokens, computed once for both drafters
     for model, kwargs, chat in cases:
         for text in PROMPTS[1:]:
