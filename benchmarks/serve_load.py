@@ -1,8 +1,9 @@
 """Load test of OpenAI-compatible servers: `assistgen serve` and `llama-server`, driven by the same client.
 
-(Configurations ray1, ray2, ray1-ngram, ray2-ngram, ray2-ngram-nokey run `assistgen serve --replicas N` on Ray
-Serve; with `--keyed-clients` each client has its own API key and repeats its own prompt, and the table's
-accepted/accept columns (the draft tokens the server reported accepting) show what routing by key keeps.
+(Configurations ray1, ray1-2cpu (both cores for the one replica), ray2, ray1-ngram, ray2-ngram and
+ray2-ngram-nokey run `assistgen serve --replicas N` on Ray Serve; with `--keyed-clients` each client has its own
+API key and repeats its own prompt, and the table's accepted/accept columns (the draft tokens the server
+reported accepting) show what routing by key keeps.
 The RSS column is the serving process's own: with Ray, the driver's, not the replicas'.)
 
 Contract: for each configuration (assistgen: plain, lookup, ngram (the n-gram cache), assistant (`--draft`, same
@@ -51,6 +52,7 @@ ASSISTGEN = {"plain": [], "lookup": ["--lookup"], "ngram": ["--ngram-cache"], "a
              "universal": ["--assistant", "{universal}"],
              # replicas on Ray Serve (`serve --replicas`): the overhead, and routing by key for the n-gram cache
              "ray1": ["--replicas", "1"], "ray2": ["--replicas", "2"],
+             "ray1-2cpu": ["--replicas", "1", "--cpus-per-replica", "2"],
              "ray1-ngram": ["--replicas", "1", "--ngram-cache"], "ray2-ngram": ["--replicas", "2", "--ngram-cache"],
              "ray2-ngram-nokey": ["--replicas", "2", "--ngram-cache", "--no-route-by-key"]}
 LLAMA_SERVER = {"llama": [], "llama-ngram": ["--spec-type", "ngram-simple"],
