@@ -250,7 +250,9 @@ def test_fields_the_server_does_not_do_are_refused_by_name_unless_off(live):
     CHAT_ONLY = set(ChatRequest.model_fields) - set(CompletionRequest.model_fields)
     COMPLETION_ONLY = set(CompletionRequest.model_fields) - set(ChatRequest.model_fields)
 
-    asks = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "auto",
+    asks = {"repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 4, "ignore_eos": True, "use_beam_search": True,
+            "length_penalty": 0.5, "guided_choice": ["a", "b"], "bad_words": ["x"], "prompt_logprobs": 1,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "auto",
             "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
             "frequency_penalty": 0.5, "presence_penalty": 1, "logit_bias": {"50": 5}, "best_of": 2, "suffix": "x",
             "audio": {"voice": "alloy"}, "modalities": ["text", "audio"], "prediction": {"type": "content"},
@@ -445,7 +447,8 @@ ASKING = {
     "n": 1, "stream": False, "stream_options": {"include_usage": True}, "user": "u-1",
     "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "[0-9]+"}, "prompt": "Hi",
     "echo": True, "logprobs": 2, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 3,
-    "metadata": {"k": "v"}, "top_logprobs": 2,
+    "metadata": {"k": "v"}, "top_logprobs": 2, "guided_json": {"type": "object"}, "guided_regex": "[0-9]+",
+    "guided_grammar": 'root ::= "ok"',
 }
 EFFECT = {  # what a reply shows for a field that is honoured (choice -> bool)
     "response_format": lambda c: c["message"]["content"].startswith("{"),
@@ -453,6 +456,8 @@ EFFECT = {  # what a reply shows for a field that is honoured (choice -> bool)
     "echo": lambda c: c["text"].startswith("Hi"),
     "logprobs": lambda c: c["logprobs"] is not None,
     "top_logprobs": lambda c: len(c["logprobs"]["content"][0]["top_logprobs"]) == 2,
+    "guided_regex": lambda c: (c.get("text") or c.get("message", {}).get("content", "")).isdigit(),
+    "guided_grammar": lambda c: (c.get("text") or c.get("message", {}).get("content", "")) == "ok",
 }
 
 

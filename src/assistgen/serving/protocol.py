@@ -55,6 +55,16 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "web_search_options": ((None,), "web search is not supported."),
     "store": ((None, False), "nothing is stored by this server."),
     "service_tier": ((None, "auto", "default"), "this server has one service tier."),
+    # other servers' extensions that change the output (vLLM's sampling parameters): refused, not ignored
+    "repetition_penalty": ((None, 1, 1.0), "repetition penalties are not supported: leave it at 1."),
+    "min_p": ((None, 0, 0.0), "min_p is not supported: use top_p or top_k."),
+    "min_tokens": ((None, 0), "min_tokens is not supported."),
+    "ignore_eos": ((None, False), "ignore_eos is not supported."),
+    "use_beam_search": ((None, False), "beam search is not supported."),
+    "length_penalty": ((None, 1, 1.0), "length_penalty (beam search) is not supported."),
+    "guided_choice": ((None,), "guided_choice is not supported: use guided_regex or a json_schema with an enum."),
+    "bad_words": ((None, []), "bad_words is not supported."),
+    "prompt_logprobs": ((None,), "prompt_logprobs is not supported: use completions with echo and logprobs."),
 }
 # Fields that change nothing in a reply by OpenAI's own definition, accepted as they are.
 NO_EFFECT = {"user": "an end-user id for the client's own records", "metadata": "tags for stored replies"}
@@ -79,6 +89,18 @@ class Sampling(BaseModel):
     user: str | None = None
     response_format: Any = None  # text | json_object | json_schema (`structure_of` checks it)
     structured_outputs: Any = None  # vLLM's extension: {"json": schema} | {"regex": ...} | {"grammar": ...}
+    guided_json: Any = None  # vLLM's older names for the same: a schema, a regex, a grammar
+    guided_regex: Any = None
+    guided_grammar: Any = None
+    repetition_penalty: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    ignore_eos: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    guided_choice: Any = None
+    bad_words: Any = None
+    prompt_logprobs: Any = None
     # refused unless "off" (REFUSED): typed loosely so that the 400 names the field, whatever was sent
     frequency_penalty: Any = None
     presence_penalty: Any = None
@@ -87,11 +109,11 @@ class Sampling(BaseModel):
     def new_tokens(self) -> int | None:
         return self.max_tokens
 
-    def token_logprobs(self) -> int | None:
+    def asked_logprobs(self) -> int | None:
         """How many alternatives to list per emitted token (None: no logprobs)."""
         return None
 
-    def prompt_logprobs(self) -> int | None:
+    def asked_prompt_logprobs(self) -> int | None:
         """The same for the prompt's tokens (completions with echo)."""
         return None
 
@@ -101,10 +123,10 @@ class CompletionRequest(Sampling):
     echo: bool = False
     logprobs: int | None = Field(None, strict=True, ge=0, le=MAX_LOGPROBS)  # alternatives per token
 
-    def token_logprobs(self) -> int | None:
+    def asked_logprobs(self) -> int | None:
         return self.logprobs
 
-    def prompt_logprobs(self) -> int | None:
+    def asked_prompt_logprobs(self) -> int | None:
         return self.logprobs if self.echo else None
     best_of: Any = None
     suffix: Any = None
@@ -155,7 +177,7 @@ class ChatRequest(Sampling):
             return self.max_completion_tokens
         return self.max_tokens
 
-    def token_logprobs(self) -> int | None:
+    def asked_logprobs(self) -> int | None:
         if not self.logprobs:
             if self.top_logprobs:
                 raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
@@ -237,7 +259,7 @@ def generation_config(body: Sampling, limit: int | None, room: int) -> Generatio
     settings = {k: v for k, v in given.items() if v is not None}
     if body.stop is not None:
         settings["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
-    settings.update(logprobs=body.token_logprobs(), prompt_logprobs=body.prompt_logprobs(),
+    settings.update(logprobs=body.asked_logprobs(), prompt_logprobs=body.asked_prompt_logprobs(),
                     structure=structure_of(body))
     config = GenerationConfig(**settings)
     if asked is None:
@@ -257,11 +279,21 @@ def generation_config(body: Sampling, limit: int | None, room: int) -> Generatio
         raise APIError(400, message, param=param) from e
 
 
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar"}  # vLLM's older names
+
+
 def structure_of(body: Sampling) -> Structure | None:
-    """The grammar `response_format` or `structured_outputs` asks for (at most one of them), or None."""
+    """The grammar `response_format`, `structured_outputs` or a guided_* field asks for (one of them), or None."""
     fmt, extension = body.response_format, body.structured_outputs
-    if fmt is not None and extension is not None:
-        raise APIError(400, "Give response_format or structured_outputs, not both.", param="structured_outputs")
+    guided = {name: getattr(body, name) for name in GUIDED if getattr(body, name) is not None}
+    given = [n for n, v in (("response_format", fmt), ("structured_outputs", extension)) if v is not None]
+    given += list(guided)
+    if len(given) > 1 and not (given[0] == "response_format" and fmt == {"type": "text"} and len(given) == 2):
+        raise APIError(400, f"Give one of {', '.join(given)}: each asks for a structure of its own.",
+                       param=given[-1])
+    if guided:
+        name, value = next(iter(guided.items()))
+        return structure_value(GUIDED[name], value, name)
     if extension is not None:
         return extension_structure(extension)
     if fmt is None:
@@ -289,15 +321,18 @@ def extension_structure(extension) -> Structure:
     if not given or len(given) != 1 or given[0] not in ("json", "regex", "grammar"):
         raise APIError(400, 'structured_outputs: give exactly one of {"json": schema}, {"regex": "..."} or '
                        '{"grammar": "..."}.', param="structured_outputs")
-    name = given[0]
-    value = extension[name]
-    if name == "json":
-        if not isinstance(value, (dict, str)):
-            raise APIError(400, "structured_outputs.json: give a JSON schema object.", param="structured_outputs.json")
+    return structure_value(given[0], extension[given[0]], f"structured_outputs.{given[0]}")
+
+
+def structure_value(kind: str, value, param: str) -> Structure:
+    """json (a schema object or its text), regex or grammar (a non-empty string) as a Structure; else a 400."""
+    if kind == "json":
+        if not isinstance(value, (dict, str)) or not value:
+            raise APIError(400, f"{param}: give a JSON schema object.", param=param)
         return Structure("json_schema", value if isinstance(value, str) else json.dumps(value))
     if not isinstance(value, str) or not value:
-        raise APIError(400, f"structured_outputs.{name}: give a non-empty string.", param=f"structured_outputs.{name}")
-    return Structure(name, value)
+        raise APIError(400, f"{param}: give a non-empty string.", param=param)
+    return Structure(kind, value)
 
 
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
