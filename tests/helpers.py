@@ -111,7 +111,7 @@ def small_tokenizer(pieces: list[str], merges: list[tuple[str, str]]) -> PreTrai
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
-def broken_residual_from_p(p, q, draft, sampler):
+def broken_residual_from_p(p, q, draft, sampler, rejected=None):
     """A classic bug, shared by the exact and the chi-squared tests to show they can fail: on rejection draw from
     p instead of the residual norm(max(p - q, 0))."""
     for i, x in enumerate(draft):

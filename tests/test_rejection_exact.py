@@ -202,7 +202,7 @@ def test_verify_speculative_without_draft_probabilities_is_exact(k):
         assert_same_distribution(got, target_joint(k + 1, p_of))
 
 
-def broken_first_row(p, q, draft, sampler):
+def broken_first_row(p, q, draft, sampler, rejected=None):
     """An indexing bug that only shows from the second draft position on: q's first row for every position."""
     return correct_verify(p, q[:1].expand(len(draft), -1), draft, sampler)
 

@@ -165,7 +165,7 @@ def test_direct_sampling_matches_too(models):
     assert pair_pvalue(counts, exact_distribution(target, temperature=1.0)) > 0.001
 
 
-def broken_accept_if_likely(p, q, draft, sampler):
+def broken_accept_if_likely(p, q, draft, sampler, rejected=None):
     """Accept-if-likely: keep a draft token whenever p(x) >= q(x), never randomly."""
     for i, x in enumerate(draft):
         if float(p[i, x]) >= float(q[i, x]):
@@ -174,7 +174,7 @@ def broken_accept_if_likely(p, q, draft, sampler):
     return len(draft), sampler.draw(p[len(draft)])
 
 
-def broken_later_positions(p, q, draft, sampler):
+def broken_later_positions(p, q, draft, sampler, rejected=None):
     """An indexing bug invisible at the first draft position: positions 2.. are judged against q's first row."""
     if q is not None and len(draft) > 1:
         q = q[:1].expand(len(draft), -1)

@@ -270,10 +270,7 @@ def verify(logits, draft, n: int, sampler: Sampler, forbidden: int | None = None
     p = sampler.probs(logits)
     rows = n + (forbidden is not None)  # q's rows for the judged tokens
     q = None if draft.probs is None else draft.probs[:rows]
-    if forbidden is None:
-        accepted, token = verify_speculative(p, q, tokens, sampler)
-    else:
-        accepted, token = verify_speculative(p, q, tokens, sampler, rejected=forbidden)
+    accepted, token = verify_speculative(p, q, tokens, sampler, rejected=forbidden)
     return accepted, token, p
 
 

@@ -294,7 +294,7 @@ async def reply(state: AppState, jobs: list[Job], head: dict, chat: bool, http: 
             choice["logprobs"] = chat_logprobs(tokenizer, job.logprobs) if asked else None
         else:
             echoed = (job.prompt_ids, job.prompt_logprobs) if echoes and asked else None
-            choice.update(text=text, logprobs=completion_logprobs(tokenizer, job.logprobs, 0, echoed)[0]
+            choice.update(text=text, logprobs=completion_logprobs(tokenizer, job.logprobs, 0, echoed)
                           if asked else None)
         choices.append(choice)
     return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
@@ -322,7 +322,7 @@ async def events(state: AppState, jobs: list[Job], head: dict, chat: bool, inclu
             return None
         if chat:
             return chat_logprobs(tokenizer, chunk.logprobs)
-        return completion_logprobs(tokenizer, chunk.logprobs or [], offsets[i], echoed)[0]
+        return completion_logprobs(tokenizer, chunk.logprobs or [], offsets[i], echoed)
 
     if chat:
         yield sse({**head, "object": kind, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -359,10 +359,10 @@ def chat_logprobs(tokenizer, logprobs: list[TokenLogprob]) -> dict:
 
 
 def completion_logprobs(tokenizer, logprobs: list[TokenLogprob], offset: int,
-                        echoed: tuple[list[int], list[TokenLogprob] | None] | None = None) -> tuple[dict, int]:
+                        echoed: tuple[list[int], list[TokenLogprob] | None] | None = None) -> dict:
     """A completion choice's `logprobs` ({tokens, token_logprobs, top_logprobs, text_offset}) for these tokens,
     whose text starts at character `offset`; `echoed`: the prompt's ids and logprobs, listed first (its first
-    token has none). Returns it and the offset after it."""
+    token has none)."""
     out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
     def add(token: int, logprob: float | None, top: dict | None) -> None:
@@ -377,11 +377,10 @@ def completion_logprobs(tokenizer, logprobs: list[TokenLogprob], offset: int,
     if echoed is not None:
         ids, prompt = echoed
         add(ids[0], None, None)
-        for lp in prompt or []:
-            add(lp.token, lp.logprob, {token_text(tokenizer, t): v for t, v in lp.top})
+        logprobs = (prompt or []) + logprobs
     for lp in logprobs:
         add(lp.token, lp.logprob, {token_text(tokenizer, t): v for t, v in lp.top})
-    return out, offset
+    return out
 
 
 def sse(payload: Any) -> str:
