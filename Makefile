@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.assistgen-installed
 
-.PHONY: install llamacpp demo test test-slow test-ray lint bench clean qwen test-qwen gpu-check
+.PHONY: install llamacpp demo test test-slow test-ray lint bench clean qwen test-qwen gpu-check gpu-wheelhouse gpu-dry-run
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -85,10 +85,32 @@ lint: install
 bench: install
 	$(BIN)/python benchmarks/core.py
 
-# On a machine with an NVIDIA GPU: its own environment set-up, tests/test_cuda.py, then a short
-# bfloat16 benchmark beside transformers (benchmarks/gpu.sh; a few minutes).
+# The GPU check (benchmarks/gpu.sh) runs on a machine with an NVIDIA GPU and no network, over its own python3 and
+# torch: `make gpu-wheelhouse` (here, with network) downloads into gpu-wheels/ the wheels that machine lacks or
+# must match (benchmarks/gpu-wheels.txt, for its Python, GPU_PYTHON), to be brought beside the checkout; there
+# `make gpu-check` installs them and the project with pip --no-index and runs tests/test_cuda.py and the
+# random-weight timings (benchmarks/gpu_random.py). `make gpu-dry-run` shows the same path on a CPU machine.
+GPU_PYTHON ?= 3.12
+GPU_WHEELS := gpu-wheels
+gpu-wheelhouse:
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d $(GPU_WHEELS) -r benchmarks/gpu-wheels.txt
+	@du -sh $(GPU_WHEELS)
+
 gpu-check:
-	PY=$(PY) VENV=$(VENV) bash benchmarks/gpu.sh
+	PY=$(PY) WHEELS=$(GPU_WHEELS) bash benchmarks/gpu.sh
+
+# The offline path on a CPU machine: an environment standing in for the GPU machine's python3 (benchmarks/
+# gpu-machine.txt: torch 2.11.0, transformers 5.17.0, ...; made once, with network), then gpu.sh over it with
+# DEVICE=cpu inside a network namespace of its own (`unshare -n`: no network at all; root).
+GPU_DRY_PY ?= python$(GPU_PYTHON)
+GPU_DRY_BASE := /tmp/assistgen-gpu-base
+gpu-dry-run: gpu-wheelhouse
+	[ -x $(GPU_DRY_BASE)/bin/python ] || ($(GPU_DRY_PY) -m venv $(GPU_DRY_BASE) && \
+		$(GPU_DRY_BASE)/bin/pip install --quiet -r benchmarks/gpu-machine.txt)
+	unshare -n env DEVICE=cpu PY=$(GPU_DRY_BASE)/bin/python WHEELS=$(GPU_WHEELS) bash benchmarks/gpu.sh
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info

@@ -101,26 +101,42 @@ def test_metrics_are_the_replicas_added_up(cluster):
     assert lines and float(lines[0].split()[-1]) > 0
 
 
+def streamed_text(lines) -> tuple[str, list[str]]:
+    """The text of an SSE completions stream's remaining events, and those events."""
+    import json
+
+    events = [line for line in lines if line.startswith("data:")]
+    text = "".join(json.loads(e[5:])["choices"][0]["text"] for e in events
+                   if e != "data: [DONE]" and json.loads(e[5:]).get("choices"))
+    return text, events
+
+
 def test_a_killed_replica_ends_its_stream_with_an_error_and_is_replaced(cluster, reference):
+    from contextlib import ExitStack
+
     from ray import serve
 
-    with httpx.Client(timeout=120) as http:
-        body = {"model": NAME, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 256,  # (no early end)
-                "stream": True}
-        with http.stream("POST", f"{cluster}/v1/completions", json=body) as response:
-            pid = int(response.headers["x-assistgen-replica"])
-            lines = response.iter_lines()
-            next(line for line in lines if line.startswith("data:"))
-            os.kill(pid, signal.SIGKILL)
-            rest = [line for line in lines if line.startswith("data:")]  # (ends: no hang)
+    victim_body = {"model": NAME, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 256,  # (no early end)
+                   "stream": True}
+    other_body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 48, "stream": True}
+    with httpx.Client(timeout=120) as http, ExitStack() as streams:
+        victim = streams.enter_context(http.stream("POST", f"{cluster}/v1/completions", json=victim_body,
+                                                   headers={"authorization": "Bearer victim"}))
+        pid = int(victim.headers["x-assistgen-replica"])
+        for attempt in range(8):  # a stream in flight on the other replica when the victim's dies
+            other = streams.enter_context(http.stream("POST", f"{cluster}/v1/completions", json=other_body,
+                                                      headers={"authorization": f"Bearer other-{attempt}"}))
+            if int(other.headers["x-assistgen-replica"]) != pid:
+                break
+        assert int(other.headers["x-assistgen-replica"]) != pid
+        lines = victim.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+        os.kill(pid, signal.SIGKILL)
+        _, rest = streamed_text(lines)  # (ends: no hang)
         assert rest[-1] == "data: [DONE]" and any('"error"' in line for line in rest), (len(rest), rest[-3:])
-        want = generate(reference, PROMPTS[1], max_new_tokens=12).text
-        for _ in range(3):  # the other replica answers, unchanged
-            reply = http.post(f"{cluster}/v1/completions", json={"model": NAME, "prompt": PROMPTS[1],
-                                                                 "max_tokens": 12})
-            assert reply.status_code in (200, 503)
-            if reply.status_code == 200:
-                assert reply.json()["choices"][0]["text"] == want
+        text, events = streamed_text(other.iter_lines())
+        assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
+        assert text == generate(reference, PROMPTS[1], max_new_tokens=48).text  # the other replica's: unchanged
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         replicas = serve.status().applications["assistgen"].deployments["Replica"].replica_states
