@@ -193,3 +193,24 @@ def test_decode_phase_speedup_leaves_out_the_prefill():
     del hf_record["prefill_s"]  # transformers' generate() reports no prefill time
     hf = aggregate([record("plain", 6.5, 0.5, 60, 0, 0), hf_record])
     assert all("decode_speedup_vs_plain" not in r for r in hf if r["method"] == "hf-plain")
+
+
+def test_the_gpu_checks_timing_script_runs_on_a_tiny_model(tmp_path):
+    """benchmarks/gpu_random.py (what the offline GPU check times) end to end on the CPU: every figure is written,
+    the curve starts at 1, and the projections use the recorded acceptance rates."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_random.py"
+    out = tmp_path / "random.json"
+    run = subprocess.run([sys.executable, str(script), "--device", "cpu", "--dtype", "float32", "--sizes", "tiny",
+                          "--tokens", "4", "--repeats", "1", "--out", str(out)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    tiny = json.loads(out.read_text())["tiny"]
+    assert {"plain", "curve", "batch", "engine", "step", "projected"} <= set(tiny)
+    assert tiny["curve"]["v"][0] == 1.0 and len(tiny["curve"]["v"]) == 17
+    assert sorted(int(b) for b in tiny["engine"]) == [1, 8, 32] and all(v > 0 for v in tiny["engine"].values())
+    assert 0 < tiny["projected"]["lookup"]["acceptance"] < 1 and tiny["projected"]["lookup"]["speedup"] >= 1
+    assert "v(k), k = 0..16" in run.stdout
