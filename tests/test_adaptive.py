@@ -402,3 +402,33 @@ def test_the_one_optimizer_gives_one_sequence_what_the_per_sequence_rule_gave():
         assert verified(run, draft, "lookup", room) == expected
         finishing += expected == room and room > 0 and expected != old_trim(run, draft, "lookup", 1 << 30)
     assert finishing > 0  # the end-of-generation rule was exercised
+
+
+def test_passes_slower_than_measured_flatten_the_curve_and_lengthen_the_drafts():
+    """Costs measured with the weights in memory (t(17) = 13 t(1)), then every pass takes 1.2 s more (the weights
+    read from the file in each pass, as under a memory cap): the policy's curve flattens and the same drafter drafts
+    longer. Passes at the measured speed leave the measured curve as it is."""
+    from types import SimpleNamespace
+
+    from assistgen.drafters.base import Draft
+    from assistgen.policy.costs import PassCosts
+
+    seconds = [0.1 * (1 + 0.75 * k) for k in range(17)]
+    record = {"step_seconds": seconds, "verification_costs": [t / seconds[0] for t in seconds], "wide_rows": [],
+              "wide_costs": [], "sequence_cost": 0.0, "batch_row_cost": 0.0}
+    target = SimpleNamespace(costs=PassCosts.of(record))
+    settings = Adaptive(drafter_cost_prior=0.1)
+    ks = {}
+    for name, extra in (("steady", 0.0), ("streamed", 1.2)):
+        run, rng, chosen = settings.prepare(target, [Costly()]), random.Random(0), []
+        for _ in range(60):
+            k = run.next_k(Costly())
+            chosen.append(k)
+            accepted = next((i for i in range(k) if rng.random() > 0.8), k)  # each draft token right with p = 0.8
+            run.update(StepOutcome(Draft([4] * k), "assistant" if k else "", k, accepted, 4, draft_s=0.03 * k,
+                                   verify_s=seconds[k] + extra))
+        ks[name] = (run, chosen)
+    steady, streamed = ks["steady"][0], ks["streamed"][0]
+    assert steady.curve == target.costs.curve  # as measured
+    assert streamed.curve[16] < 2.1 < target.costs.curve[16]  # 13 before: nearly flat now
+    assert min(ks["streamed"][1][-20:]) > max(ks["steady"][1][-20:])  # drafts longer where verifying is nearly free

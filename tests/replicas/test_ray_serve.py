@@ -38,7 +38,10 @@ def cluster():
     start(spec, ReplicaOptions(replicas=2, cpus_per_replica=1), "127.0.0.1", port, num_cpus=2)
     url = f"http://127.0.0.1:{port}"
     yield url
-    stop()
+    import ray
+
+    if ray.is_initialized():  # (the shutdown test stops it itself)
+        stop()
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +147,14 @@ def test_a_killed_replica_ends_its_stream_with_an_error_and_is_replaced(cluster,
             break
         time.sleep(1)
     assert replicas.get("RUNNING", 0) == 2, replicas
+
+
+def test_shutdown_stops_serving_and_ray(cluster):
+    """Last in this module: `stop()` (what SIGINT/SIGTERM on `assistgen serve --replicas` runs) ends Serve and Ray."""
+    import ray
+
+    assert httpx.get(f"{cluster}/v1/models", timeout=30).status_code == 200
+    stop()
+    assert not ray.is_initialized()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{cluster}/v1/models", timeout=5)

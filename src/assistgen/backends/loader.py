@@ -4,8 +4,8 @@ Contract: "auto" picks llama.cpp for a GGUF file (an embedded alias or a `.gguf`
 llama-cpp-python is installed and nothing only the torch backend does was asked for (`dtype`, `quantize`,
 a GPU); everything else loads on torch. Options that belong to one backend are refused on the other with
 a message naming the fix, never ignored: `dtype`, `device` and `quantize` are the torch backend's;
-`context`, `sequences`, `threads`, `repack`, `flash_attention` and `exact_prompts` (`LlamaSettings`) are
-llama.cpp's.
+`context`, `sequences`, `threads`, `repack`, `flash_attention`, `exact_prompts` and `max_memory` (`LlamaSettings`) are
+llama.cpp's (`max_memory`: a memory budget, `backends.budget`; the torch backend refuses it, naming llama.cpp).
 Bad specs raise `ModelLoadError`.
 """
 
@@ -50,6 +50,10 @@ def load(spec: str, backend: str = "auto", **options):
             raise ModelLoadError(f"{', '.join(wrong)} belong to the torch backend; llama.cpp runs the GGUF file's "
                                  "own weight types on the CPU. Use backend='torch' (--backend torch) for them.")
         return llama_loading.load(spec, LlamaSettings(**{k: v for k, v in given.items() if k in LLAMA_OPTIONS}))
+    if "max_memory" in given:
+        raise ModelLoadError("max_memory (offloaded weights) runs on the llama.cpp backend only, for now: its GGUF "
+                             "file stays memory-mapped and what does not fit is read per pass. Load a GGUF file with "
+                             "backend='llama.cpp' (--backend llama.cpp); the torch backend's offloading is not built.")
     wrong = [k for k in given if k in LLAMA_OPTIONS]
     if wrong:
         raise ModelLoadError(f"{', '.join(wrong)} belong to the llama.cpp backend: use backend='llama.cpp' "

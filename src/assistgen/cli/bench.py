@@ -16,7 +16,7 @@ from assistgen.api import load_model
 from assistgen.bench.dataset import default_suite, extraction_suite, read_prompts, select
 from assistgen.bench.report import aggregate, format_table, plot
 from assistgen.bench.runner import Runner, parse_method, run_bench, terminal_progress
-from assistgen.cli.options import add_placement, loading, placement, structure_from
+from assistgen.cli.options import add_placement, load_target_and_assistant, placement, structure_from
 from assistgen.policy.costs import pass_costs
 
 
@@ -103,9 +103,8 @@ def run_command(args: argparse.Namespace) -> int:
         raise ValueError("--turn counts from 1.")
     if args.repeats < 1:
         raise ValueError("--repeats must be at least 1.")
-    where = placement(args)
-    target = load_model(args.model, **loading(args))
-    assistant = load_model(args.assistant, **loading(args, assistant=True)) if args.assistant else None
+    where = {k: v for k, v in placement(args).items() if k != "max_memory"}  # (transformers' runs: no budget)
+    target, assistant = load_target_and_assistant(args)
     runner = Runner(target, assistant, args.max_new_tokens, args.chat, args.turn, args.seed)
     if args.json_schema:
         runner.schema = structure_from(argparse.Namespace(json_schema=args.json_schema)).spec

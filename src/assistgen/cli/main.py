@@ -10,11 +10,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from assistgen.api import load_model, stream
+from assistgen.api import stream
 from assistgen.backends.embedded import EMBEDDED, ModelLoadError, is_installed
 from assistgen.backends.torch.loading import converted_dir, is_cached
 from assistgen.bench.dataset import DatasetError
-from assistgen.cli.options import add_placement, add_quantize, add_structure, loading, settings_from
+from assistgen.cli.options import (
+    add_placement,
+    add_quantize,
+    add_structure,
+    load_target_and_assistant,
+    loading,
+    settings_from,
+)
 from assistgen.config import ConfigError
 from assistgen.policy.schedules import parse_schedule
 
@@ -103,8 +110,7 @@ def add_serve(p: argparse.ArgumentParser) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    target = load_model(args.model, **loading(args))
-    assistant = load_model(args.assistant, **loading(args, assistant=True)) if args.assistant else None
+    target, assistant = load_target_and_assistant(args)
     last, logprobs = None, []
     for chunk in stream(target, prompt, assistant=assistant, lookup=args.lookup, schedule=args.schedule,
                         chat=args.chat, early_exit=args.early_exit or False, ngram_cache=args.ngram_cache,
@@ -192,8 +198,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
              if getattr(args, n) is not None] + ([] if args.route_by_key else ["--no-route-by-key"])
     if alone:
         raise ConfigError(f"{', '.join(alone)} set(s) how Ray Serve runs replicas: add --replicas N.")
-    target = load_model(args.model, **loading(args))
-    assistant = load_model(args.assistant, **loading(args, assistant=True)) if args.assistant else None
+    target, assistant = load_target_and_assistant(args)
     drafters = partial(make_drafter, target, assistant, args.lookup, args.early_exit or False)
     drafters()  # bad drafter options fail here, before the server starts
     schedule = as_schedule(args.schedule) if args.schedule is not None else default_schedule()

@@ -1,11 +1,12 @@
 """Command-line options shared by the commands: where models run and how they are loaded.
 
 Contract: `add_quantize` and `add_placement` declare --quantize, --backend, --assistant-backend, --device,
---dtype, --context, --sequences and --no-repack on a parser; `placement` and `loading` turn the parsed values into the
-keyword arguments `assistgen.load_model` takes (only those given: no default is re-declared here, and an option
-of the other backend is refused by the loader, not dropped); `settings_from` gives the generation settings a
-command was given, with the output's structure (`add_structure`: --json-schema, --json, --regex, --grammar; files
-read here, so that a missing or malformed one is an error naming it).
+--dtype, --context, --sequences, --max-memory and --no-repack on a parser; `placement` and `loading` turn the parsed
+values into the keyword arguments `assistgen.load_model` takes (only those given: no default is re-declared here, and
+an option of the other backend is refused by the loader, not dropped); `load_target_and_assistant` loads a command's
+pair, splitting --max-memory between them (the assistant resident, the target streamed); `settings_from` gives the
+generation settings a command was given, with the output's structure (`add_structure`: --json-schema, --json,
+--regex, --grammar; files read here, so that a missing or malformed one is an error naming it).
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ def add_placement(p: argparse.ArgumentParser) -> None:
                         "(default: the model's trained context, at most 4096)")
     p.add_argument("--sequences", type=int,
                    help="llama.cpp backend: sequences that can live at once in a context (default 32)")
+    p.add_argument("--max-memory", metavar="BYTES",
+                   help="llama.cpp backend: the memory the target may keep resident (e.g. 800MB, 2GiB): its weights "
+                        "stay memory-mapped and what does not fit is read from the file in each pass; an assistant "
+                        "stays resident and its share is taken from this budget")
     p.add_argument("--no-repack", dest="repack", action="store_const", const=False,
                    help="llama.cpp backend: keep the weights in the file's layout (about 600 MB less memory for "
                         "a 1.5B model, prompts about 1.5x slower: docs/benchmarks.md)")
@@ -57,6 +62,8 @@ def placement(args: argparse.Namespace, assistant: bool = False) -> dict:
     for name in ("context", "sequences", "repack"):
         if getattr(args, name, None) is not None:
             out[name] = getattr(args, name)
+    if not assistant and getattr(args, "max_memory", None) is not None:
+        out["max_memory"] = args.max_memory
     return out
 
 
@@ -69,6 +76,28 @@ def loading(args: argparse.Namespace, assistant: bool = False) -> dict:
     if getattr(args, "no_fast_linear", False):
         out["fast_linear"] = False
     return out
+
+
+def load_target_and_assistant(args: argparse.Namespace) -> tuple:
+    """A command's target and its assistant (None without --assistant). With --max-memory the assistant is loaded
+    first and stays resident: what it added (its anonymous memory and its weights) is taken from the budget, and
+    the target gets the rest."""
+    from assistgen import load_model
+    from assistgen.backends.budget import megabytes, parse_budget, resident
+
+    target = loading(args)
+    if not args.assistant:
+        return load_model(args.model, **target), None
+    before = resident()
+    assistant = load_model(args.assistant, **loading(args, assistant=True))
+    if "max_memory" in target:
+        budget = parse_budget(target["max_memory"])
+        kept = max(0, resident()["anon"] - before["anon"]) + assistant.weight_bytes
+        if budget <= kept:
+            raise ConfigError(f"--max-memory {megabytes(budget)} leaves nothing for the target: the assistant "
+                              f"{args.assistant} keeps {megabytes(kept)} resident. Give more, or a smaller assistant.")
+        target["max_memory"] = budget - kept
+    return load_model(args.model, **target), assistant
 
 
 def settings_from(args: argparse.Namespace) -> dict:

@@ -9,8 +9,9 @@ t(n) / t(1) at a few wider row counts (`WIDE_ROWS`, for batched steps over many 
 `PassCosts.rows`) and what a further sequence and a further draft row cost in a pass over `BATCH`
 sequences (`PassCosts.batch`), and cached as JSON under `$ASSISTGEN_CACHE/costs/`, keyed by the model's
 fingerprint (`backends.base`: model, set-up, library versions, CPU, threads), so a change of any of them
-measures again; `calibrate(model, refresh=True)` or deleting the file re-measures. Models without a
-`cache_key` are measured once per model object. Everything is measured through the backend seam (new
+measures again; `calibrate(model, refresh=True)` or deleting the file re-measures. `slower_by(costs, extra_s)` is the
+curve when every pass costs a fixed `extra_s` more than when measured (the adaptive policy follows that online).
+Models without a `cache_key` are measured once per model object. Everything is measured through the backend seam (new
 cache, feed, crop, fork, clock), so any backend can be priced. How long a drafter takes per proposed
 token is measured online by the adaptive schedule, not here.
 """
@@ -78,6 +79,17 @@ class PassCosts:
         if sequences <= 1:
             return self.rows(rows + draft_rows)
         return self.rows(rows) + (sequences - 1) * self.sequence + draft_rows * self.batch_row
+
+
+def slower_by(costs: PassCosts, extra_s: float) -> tuple[float, ...]:
+    """The curve when every pass takes `extra_s` seconds more than when it was measured, a fixed cost whatever its
+    rows (weights read from the file in each pass, when they do not fit in memory):
+    v[k] = (t(k+1) + extra) / (t(1) + extra). Measured costs only (the record's seconds); else the curve as it is."""
+    seconds = costs.record.get("step_seconds")
+    if not seconds or extra_s <= 0:
+        return costs.curve
+    t1 = seconds[0]
+    return tuple((t1 * v + extra_s) / (t1 + extra_s) for v in costs.curve)
 
 
 def pass_costs(model) -> PassCosts:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from assistgen.drafters.base import Draft, Drafter
-from assistgen.policy.costs import PassCosts, pass_costs
+from assistgen.policy.costs import PassCosts, pass_costs, slower_by
 from assistgen.policy.gain import MAX_K, best_lookahead, lookahead
 
 if TYPE_CHECKING:
@@ -304,6 +304,9 @@ class AdaptiveRun:
         self.end = None if budget is None else prompt_length + budget  # the length at which the generation stops
         self.probes = 0
         self.last_drafter = ""
+        self.extra_s = 0.0  # how much longer the target's passes take than when its costs were measured (EMA)
+        self.timed: set[str] = set()  # drafters whose cost per token has been measured (not a prior any more)
+        self._curve: tuple[float, ...] | None = None
         self.costs: PassCosts | None = None  # None for plain decoding: nothing to choose
         if not drafters:
             return
@@ -331,8 +334,24 @@ class AdaptiveRun:
 
     @property
     def curve(self) -> tuple[float, ...]:
-        """v[k] of the costs this run prices with."""
-        return self.costs.curve
+        """v[k] of the costs this run prices with: the measured curve, or, where the passes have become more than
+        twice as slow as measured (a fixed cost per pass appeared: weights streamed from the file), the curve with
+        that cost added beyond the doubling (`costs.slower_by`), so that drafting long pays when 1 and 17 rows cost
+        nearly the same."""
+        if self._curve is None:
+            t1 = (self.costs.record.get("step_seconds") or [0.0])[0]
+            self._curve = slower_by(self.costs, self.extra_s - t1)
+        return self._curve
+
+    def slowdown(self) -> float:
+        """How many of its measured plain steps a plain step now takes by the curve's account (1 unless the passes
+        became more than twice as slow as measured): a model drafter's prior cost, priced in measured steps, is that
+        much smaller in today's steps (the cost the passes gained is the target's: an assistant kept resident does
+        not pay it)."""
+        seconds = self.costs.record.get("step_seconds")
+        if not seconds:
+            return 1.0
+        return 1.0 + max(0.0, self.extra_s - seconds[0]) / seconds[0]
 
     def is_free(self, drafter_name: str) -> bool:
         return self.drafter_cost.get(drafter_name, 0.0) < self.settings.free_cost
@@ -345,6 +364,8 @@ class AdaptiveRun:
         c = self.drafter_cost.get(name, 0.0)
         if c < self.settings.free_cost:
             return self._k_max()
+        if name not in self.timed:  # a prior, in plain steps as measured: the passes' extra time is not the drafter's
+            c /= self.slowdown()
         k, gain = best_lookahead(self.estimate(name).estimate(), self.curve, c, self._k_max())
         if k > 0 and self.catch_up_pays(name, c, gain):
             self.off_steps[name] = 0
@@ -417,11 +438,17 @@ class AdaptiveRun:
         if outcome.verify_s > 0:
             unit = outcome.verify_s / self.curve[min(outcome.verified, len(self.curve) - 1)]
             self.unit_s = unit if self.unit_s is None else self.unit_s + w * (unit - self.unit_s)
+            seconds = self.costs.record.get("step_seconds")
+            if seconds:  # (measured costs: follow how much longer a pass takes now than then)
+                extra = outcome.verify_s - seconds[0] * self.costs.rows(outcome.verified + 1)
+                self.extra_s += w * (extra - self.extra_s)
+                self._curve = None
         # A drafter that drafted last step too has no catch-up cost in its time.
         if outcome.drafter and outcome.draft.tokens and outcome.drafter == self.last_drafter and self.unit_s:
             c = outcome.draft_s / len(outcome.draft.tokens) / self.unit_s
             old = self.drafter_cost.get(outcome.drafter, c)
             self.drafter_cost[outcome.drafter] = old + w * (c - old)
+            self.timed.add(outcome.drafter)
 
     def report(self) -> dict:
         out = {"schedule": "adaptive", "adaptive_probes": self.probes}

@@ -7,6 +7,9 @@ The tokenizer is the Hugging Face tokenizer transformers builds from the same GG
 so that a model on either backend drafts for the other with token ids as they are), saved once under the
 cache folder; it is checked to give llama.cpp's own ids on a test text (`check_tokenizer`), and a file
 on which the two differ is refused rather than decoded with ids llama.cpp would not produce.
+With `LlamaSettings.max_memory` (a budget, `backends.budget`) the file is memory-mapped explicitly and not
+repacked, and a budget below what must stay resident (the context's own memory, measured after one pass, and the
+largest layer's weights) is refused naming the smallest that works (`check_budget`).
 `available()` says whether the backend can be used here, without loading anything.
 """
 
@@ -15,8 +18,10 @@ from __future__ import annotations
 import collections
 import ctypes
 import importlib.util
+from dataclasses import replace
 from pathlib import Path
 
+from assistgen.backends.budget import check_floor, parse_budget, resident
 from assistgen.backends.embedded import EMBEDDED, ModelLoadError, say
 from assistgen.backends.llamacpp.model import DEFAULT_CONTEXT, LlamaModel, LlamaSettings
 from assistgen.paths import cache_root, replaced_atomically, safe_name
@@ -44,6 +49,8 @@ def gguf_file(spec: str) -> Path | None:
 
 def load(spec: str, settings: LlamaSettings | None = None) -> LlamaModel:
     settings = settings or LlamaSettings()
+    if settings.max_memory is not None:
+        settings = replace(settings, max_memory=parse_budget(settings.max_memory), repack=False)
     lib = library()
     path = gguf_file(spec.strip())
     if path is None:
@@ -52,9 +59,12 @@ def load(spec: str, settings: LlamaSettings | None = None) -> LlamaModel:
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
     errors = _capture_log(lib)
+    before = resident()
     mparams = lib.llama_model_default_params()
     mparams.n_gpu_layers = 0
     mparams.use_extra_bufts = settings.repack
+    if settings.max_memory is not None:  # weights file-backed: never locked, never read into buffers of their own
+        mparams.load_mode = lib.LLAMA_LOAD_MODE_MMAP
     errors.clear()
     model_ptr = lib.llama_model_load_from_file(str(path).encode(), mparams)
     if not model_ptr:
@@ -83,7 +93,31 @@ def load(spec: str, settings: LlamaSettings | None = None) -> LlamaModel:
     tokenizer = _tokenizer(path, key)
     model = LlamaModel(lib, model_ptr, context_ptr, tokenizer, name, path, settings, cache_key=f"llama.cpp-{key}")
     check_tokenizer(model)
+    if settings.max_memory is not None:
+        check_budget(model, before)
     return model
+
+
+def check_budget(model: LlamaModel, before: dict[str, int]) -> None:
+    """Refuse a budget below what must stay resident: the context's own memory (KV cells, compute buffers, measured
+    after one pass as the anonymous memory the load added, the tokenizer included) and the largest layer's weights."""
+    cache = model.new_cache()
+    cache.feed(model.tokenizer("Hello")["input_ids"][:1] or [0])
+    del cache
+    parts = {"KV cache, buffers and tokenizer": max(0, resident()["anon"] - before["anon"]),
+             "one layer's weights": largest_layer_bytes(model.path)}
+    check_floor(model.name, model.settings.max_memory, parts)
+
+
+def largest_layer_bytes(path: Path) -> int:
+    """The bytes of the largest transformer block's tensors in a GGUF file (`blk.N.*`)."""
+    from gguf import GGUFReader
+
+    sizes: dict[str, int] = collections.Counter()
+    for tensor in GGUFReader(path).tensors:
+        if tensor.name.startswith("blk."):
+            sizes[tensor.name.split(".")[1]] += int(tensor.n_bytes)
+    return max(sizes.values(), default=0)
 
 
 def library():

@@ -55,6 +55,9 @@ class LlamaSettings:
     flash_attention: bool = True  # without it a row depends on where its sequence's cells lie in the shared buffer
     exact_prompts: bool = False
     ubatch: int = 512  # rows llama.cpp computes at once (a longer feed is split)
+    # Bytes the model may keep resident (`backends.budget`): the weights stay memory-mapped from the file and are never
+    # copied (repack off: repacked layouts are anonymous copies), so what does not fit is read again per pass.
+    max_memory: int | None = None
 
     def thread_count(self) -> int:
         import os
@@ -132,6 +135,7 @@ class LlamaModel:
         parts = [self.cache_key or self.name, str(self.path.stat().st_size), "llama.cpp",
                  self.lib.llama_print_system_info().decode(errors="replace"), platform.machine(), cpu_name(),
                  f"threads={s.thread_count()}", f"repack={s.repack}", f"flash={s.flash_attention}",
+                 f"max_memory={s.max_memory}",
                  f"library={Path(self.lib._lib._name).resolve()}", f"row_exact={self.row_exact}", *extra]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 

@@ -1,0 +1,118 @@
+"""Offloaded weights measured for real: `assistgen bench` with the target in a memory cgroup capped below its weights.
+
+Contract: needs root and cgroup v1's memory controller (/sys/fs/cgroup/memory); refuses with a message saying so
+elsewhere. It measures the disk's read speed on the target's GGUF file (the file dropped from the page cache first,
+then read once in 16 MiB blocks) and the baseline of the child process (Python with assistgen imported, no model),
+then runs each configuration as a child `assistgen bench ... --max-memory (LIMIT - baseline)` inside a fresh memory
+group limited to LIMIT (`memory.limit_in_bytes`, page cache included; swap off in the group), so that every weight
+page beyond what fits is read from the file again when needed. After each child it reads the group's peak usage
+(`memory.max_usage_in_bytes`), its peak anonymous memory (polled: what cannot be evicted, so LIMIT minus it is the
+room left for the weights' pages) and page-ins, and removes the group. The records (tokens, seconds, whether the
+greedy output equals plain's) go to `--out`; the table is the bench's own, with a line per configuration of its
+peak, its room for the weights and page-ins.
+
+    sudo python benchmarks/offload.py --model qwen2.5-coder-1.5b --limit 1500MB --context 1024 \\
+        --config "--assistant qwen2.5-coder-0.5b --methods plain,lookup,ngram,assistant" \\
+        --config "--assistant smollm2-135m --methods plain,assistant" --categories code,summarization --n 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from assistgen.backends.budget import megabytes, parse_budget
+from assistgen.backends.llamacpp.loading import gguf_file
+from assistgen.bench.memory_group import MemoryGroup, cgroups_available, drop_from_page_cache
+
+BLOCK = 16 << 20
+
+
+def read_speed(path: Path) -> float:
+    """Bytes per second of one sequential read of `path` after dropping it from the page cache."""
+    drop_from_page_cache(path)
+    start, total = time.perf_counter(), 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(BLOCK):
+            total += len(chunk)
+    elapsed = time.perf_counter() - start
+    drop_from_page_cache(path)
+    return total / elapsed
+
+
+def baseline_bytes() -> int:
+    """Peak memory of a child that imports assistgen and its backends and loads nothing (measured in a group)."""
+    group = MemoryGroup(1 << 40)
+    try:
+        code = "import assistgen.backends.llamacpp.loading, assistgen.cli.bench, assistgen.cli.main, matplotlib.pyplot"
+        subprocess.run([sys.executable, "-c", code], check=True, preexec_fn=group.add_self)
+        return group.peak()
+    finally:
+        group.remove()
+
+
+def run_capped(argv: list[str], limit: int) -> dict:
+    """Run `argv` in a fresh group limited to `limit`; its peak usage, its peak anonymous memory (polled every 0.2 s:
+    what the kernel cannot evict) and the pages it read in."""
+    group = MemoryGroup(limit)
+    try:
+        start, anon = time.perf_counter(), 0
+        child = subprocess.Popen(argv, preexec_fn=group.add_self)
+        while child.poll() is None:
+            anon = max(anon, group.stat("total_rss"))
+            time.sleep(0.2)
+        return {"rc": child.returncode, "seconds": time.perf_counter() - start, "peak": group.peak(),
+                "peak_anon": anon, "pgmajfault": group.stat("total_pgmajfault"), "pgpgin": group.stat("total_pgpgin")}
+    finally:
+        group.remove()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--limit", required=True, help="the group's limit: all the child may keep resident")
+    parser.add_argument("--config", action="append", required=True,
+                        help="assistgen bench arguments of one configuration (repeatable)")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--categories")
+    parser.add_argument("--n", type=int)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--out", type=Path, default=Path("out/offload.jsonl"))
+    args = parser.parse_args()
+    why = cgroups_available()
+    if why:
+        raise SystemExit(f"benchmarks/offload.py: {why}. Run it as root on a Linux machine with cgroup v1's memory "
+                         "controller mounted at /sys/fs/cgroup/memory.")
+    limit = parse_budget(args.limit)
+    path = gguf_file(args.model)
+    if path is None or not path.is_file():
+        raise SystemExit(f"{args.model}: not a GGUF model here (an embedded alias or a .gguf path).")
+    speed = read_speed(path)
+    base = baseline_bytes()
+    budget = limit - base
+    weights = path.stat().st_size
+    print(f"target {path.name}: {megabytes(weights)}; disk read {speed / 1e9:.2f} GB/s; group limit "
+          f"{megabytes(limit)}; child baseline (imports) {megabytes(base)}, so --max-memory {megabytes(budget)}",
+          flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    cli = [str(Path(sys.executable).with_name("assistgen")), "bench", "--model", args.model, "--backend", "llama.cpp",
+           "--assistant-backend", "llama.cpp", "--context", str(args.context), "--max-memory", str(budget),
+           "--max-new-tokens", str(args.max_new_tokens), "--out", str(args.out)]
+    cli += ["--categories", args.categories] if args.categories else []
+    cli += ["--n", str(args.n)] if args.n else []
+    for config in args.config:
+        drop_from_page_cache(path)
+        r = run_capped(cli + shlex.split(config), limit)
+        room = limit - r["peak_anon"]
+        print(f"[{config}] rc {r['rc']}, {r['seconds']:.0f} s; peak {megabytes(r['peak'])} of {megabytes(limit)}, "
+              f"of it anonymous {megabytes(r['peak_anon'])}: room for file pages (weights) {megabytes(room)}, "
+              f"{room / weights:.0%} of the target's file; major faults {r['pgmajfault']}, pages in {r['pgpgin']}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
