@@ -32,6 +32,31 @@ from assistgen.bench.memory_group import MemoryGroup, cgroups_available, drop_fr
 BLOCK = 16 << 20
 
 
+def weight_files(spec: str, backend: str, quantize: str | None) -> list[Path]:
+    """The files a model's weights are memory-mapped from: its GGUF file (llama.cpp), its quantized copy or its
+    folder's safetensors (torch: made once first, outside any cap, by loading it in a child)."""
+    if backend == "llama.cpp":
+        path = gguf_file(spec)
+        if path is None or not path.is_file():
+            raise SystemExit(f"{spec}: not a GGUF model here (an embedded alias or a .gguf path).")
+        return [path]
+    from assistgen.backends.torch.loading import _source, converted_dir
+    from assistgen.backends.torch.quantize import WEIGHTS
+    from assistgen.paths import cache_root
+
+    options = f"backend='torch', quantize={quantize!r}"
+    subprocess.run([sys.executable, "-c", f"from assistgen import load_model; load_model({spec!r}, {options})"],
+                   check=True)
+    source = _source(spec)
+    if quantize:
+        return [cache_root() / "quantized" / f"{source.key}-{quantize}" / WEIGHTS]
+    folder = source.folder or (converted_dir(spec) if source.entry else source.converted)
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise SystemExit(f"{spec}: no safetensors in {folder} (the torch backend memory-maps those).")
+    return files
+
+
 def read_speed(path: Path) -> float:
     """Bytes per second of one sequential read of `path` after dropping it from the page cache."""
     drop_from_page_cache(path)
@@ -74,6 +99,8 @@ def run_capped(argv: list[str], limit: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--backend", choices=("llama.cpp", "torch"), default="llama.cpp")
+    parser.add_argument("--quantize", choices=("int8", "int4"), help="torch backend: its quantized copy")
     parser.add_argument("--limit", required=True, help="the group's limit: all the child may keep resident")
     parser.add_argument("--config", action="append", required=True,
                         help="assistgen bench arguments of one configuration (repeatable)")
@@ -88,24 +115,25 @@ def main() -> None:
         raise SystemExit(f"benchmarks/offload.py: {why}. Run it as root on a Linux machine with cgroup v1's memory "
                          "controller mounted at /sys/fs/cgroup/memory.")
     limit = parse_budget(args.limit)
-    path = gguf_file(args.model)
-    if path is None or not path.is_file():
-        raise SystemExit(f"{args.model}: not a GGUF model here (an embedded alias or a .gguf path).")
-    speed = read_speed(path)
+    files = weight_files(args.model, args.backend, args.quantize)
+    speed = sum(f.stat().st_size for f in files) / sum(f.stat().st_size / read_speed(f) for f in files)
     base = baseline_bytes()
     budget = limit - base
-    weights = path.stat().st_size
-    print(f"target {path.name}: {megabytes(weights)}; disk read {speed / 1e9:.2f} GB/s; group limit "
+    weights = sum(f.stat().st_size for f in files)
+    print(f"target {', '.join(f.name for f in files)}: {megabytes(weights)}; disk read {speed / 1e9:.2f} GB/s; group limit "
           f"{megabytes(limit)}; child baseline (imports) {megabytes(base)}, so --max-memory {megabytes(budget)}",
           flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    cli = [str(Path(sys.executable).with_name("assistgen")), "bench", "--model", args.model, "--backend", "llama.cpp",
-           "--assistant-backend", "llama.cpp", "--context", str(args.context), "--max-memory", str(budget),
-           "--max-new-tokens", str(args.max_new_tokens), "--out", str(args.out)]
+    cli = [str(Path(sys.executable).with_name("assistgen")), "bench", "--model", args.model, "--backend", args.backend,
+           "--max-memory", str(budget), "--max-new-tokens", str(args.max_new_tokens), "--out", str(args.out)]
+    if args.backend == "llama.cpp":
+        cli += ["--assistant-backend", "llama.cpp", "--context", str(args.context)]
+    cli += ["--quantize", args.quantize] if args.quantize else []
     cli += ["--categories", args.categories] if args.categories else []
     cli += ["--n", str(args.n)] if args.n else []
     for config in args.config:
-        drop_from_page_cache(path)
+        for f in files:
+            drop_from_page_cache(f)
         r = run_capped(cli + shlex.split(config), limit)
         room = limit - r["peak_anon"]
         print(f"[{config}] rc {r['rc']}, {r['seconds']:.0f} s; peak {megabytes(r['peak'])} of {megabytes(limit)}, "

@@ -119,3 +119,21 @@ def test_cpu_only_pieces_refuse_gpu_weights():
         tune_routes(model)
     with pytest.raises(ModelLoadError, match="CPU kernels"):
         load_model("smollm2-135m", device=CUDA, quantize="int8")
+
+
+def test_layers_beyond_a_gpu_budget_stay_in_cpu_memory_and_decode_exactly(tmp_path):
+    # max_memory on a GPU: accelerate's placement keeps the layers beyond the budget in CPU memory and moves them to
+    # the GPU for each pass; the tokens are the same as with every layer on the GPU.
+    made = tiny_llama(layers=6, hidden=256)
+    made.hf.save_pretrained(tmp_path)
+    made.tokenizer.save_pretrained(tmp_path)
+    reference = hf_greedy(on_cuda(made), encode(TEXTS[1]), 24)
+    budget = made.weight_bytes // 2
+    model = load_model(str(tmp_path), backend="torch", device=CUDA, max_memory=budget)
+    placed = set(model.hf.hf_device_map.values())
+    assert "cpu" in placed and placed - {"cpu"}, model.hf.hf_device_map  # split between the GPU and CPU memory
+    for kwargs in ({}, {"lookup": True, "schedule": Constant(3)}):
+        out = generate(model, encode(TEXTS[1]), max_new_tokens=24, eos_token_ids=(), **kwargs)
+        if kwargs:
+            assert out.stats.drafted_tokens > 0
+        assert out.token_ids == reference, kwargs

@@ -11,18 +11,22 @@ the v1 memory controller (as the machines `make test` runs on have).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from assistgen import ConfigError, ModelLoadError, generate, load_model
 from assistgen.backends.budget import parse_budget
 from assistgen.backends.llamacpp.loading import gguf_file
+from assistgen.backends.torch.quantize import WEIGHTS, is_saved
 from assistgen.bench.memory_group import MemoryGroup, cgroups_available, drop_from_page_cache
+from assistgen.paths import cache_root
 
 NAME = "smollm2-135m"
 PROMPT = ("Repeat this list exactly, twice: apples, pears, plums, cherries, grapes, lemons, limes, figs, dates, "
@@ -32,8 +36,9 @@ CHILD = f"""
 import json, sys
 from assistgen import generate, load_model
 from assistgen.backends.budget import resident
-budget, gguf, limit, room = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-model = load_model(gguf, backend="llama.cpp", context=512, max_memory=budget)
+spec, options, limit, room = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+model = load_model(spec, **options)
+budget = model.max_memory if options["backend"] == "torch" else model.settings.max_memory
 # Loading needs more anonymous memory for a moment than decoding does; what it gives back would leave the weights
 # room to stay. Other memory in use (a ballast, touched) keeps the room for file pages near `room` while decoding.
 ballast = bytes([1]) * max(0, limit - resident()["anon"] - room)
@@ -41,7 +46,8 @@ runs = {{}}
 for name, kwargs in (("plain", {{}}), ("lookup", {{"lookup": True}}), ("ngram", {{"ngram_cache": True}})):
     out = generate(model, {PROMPT!r}, max_new_tokens={TOKENS}, **kwargs)
     runs[name] = {{"tokens": out.token_ids, "drafted": out.stats.drafted_tokens, "accepted": out.stats.accepted_tokens}}
-print("RESULT " + json.dumps({{"runs": runs, "repack": model.settings.repack, "budget": model.settings.max_memory}}))
+file_backed = model.settings.repack is False if options["backend"] == "llama.cpp" else model.quantization == "int4"
+print("RESULT " + json.dumps({{"runs": runs, "file_backed": file_backed, "budget": budget}}))
 """
 
 
@@ -65,19 +71,29 @@ def test_a_budget_below_what_must_stay_resident_names_the_smallest_that_works():
     assert generate(model, "Hello", max_new_tokens=4).token_ids
 
 
-def test_the_torch_backend_refuses_a_budget_naming_llama_cpp():
-    with pytest.raises(ModelLoadError, match="llama.cpp backend only"):
-        load_model(NAME, backend="torch", max_memory="1GB")
+def test_the_torch_backend_names_the_smallest_budget_too_and_makes_no_packed_copies():
+    with pytest.raises(ModelLoadError, match=r"give at least (\d+) MB") as caught:
+        load_model(NAME, backend="torch", max_memory="1MB")
+    least = int(re.search(r"give at least (\d+) MB", str(caught.value)).group(1))
+    assert "the largest layer's weights" in str(caught.value)
+    model = load_model(NAME, backend="torch", max_memory=f"{least + 50}MB")  # float32: mmapped safetensors
+    assert model.max_memory == (least + 50) * 10**6
+    model.optimize(mode="on")
+    assert set(model.routes["routes"]) == {"mkl"}  # oneDNN's packed copies would be anonymous weights
+    assert generate(model, "Hello", max_new_tokens=4).token_ids
 
 
-def run_in_group(limit: int, room: int, gguf) -> tuple[dict, dict]:
-    """CHILD on `gguf` in a fresh group of `limit` bytes (leaving about `room` for file pages while it decodes): its
-    result, and the group's peak, peak anonymous memory and pages in."""
-    drop_from_page_cache(gguf)
+def run_in_group(limit: int, room: int, spec, options: dict, files: list, env: dict | None = None) -> tuple[dict, dict]:
+    """CHILD loading `spec` with `options` in a fresh group of `limit` bytes (leaving about `room` for file pages
+    while it decodes; `files`: the weights, dropped from the page cache first): its result, and the group's peak,
+    peak anonymous memory and pages in."""
+    for f in files:
+        drop_from_page_cache(f)
     group = MemoryGroup(limit)
     try:
-        child = subprocess.Popen([sys.executable, "-c", CHILD, "400MB", str(gguf), str(limit), str(room)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=group.add_self)
+        argv = [sys.executable, "-c", CHILD, str(spec), json.dumps(options), str(limit), str(room)]
+        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 preexec_fn=group.add_self, env=env)
         anon = 0
         while child.poll() is None:
             anon = max(anon, group.stat("total_rss"))
@@ -96,15 +112,35 @@ def test_speculation_under_a_cap_below_the_weights_is_exact_and_stays_inside_it(
     # A private copy of the file: pages another process has mapped stay charged to it, and would not stream here.
     gguf = tmp_path / "smollm2-135m-copy.gguf"
     shutil.copyfile(gguf_file(NAME), gguf)
-    weights = gguf.stat().st_size
-    free_result, free = run_in_group(1 << 40, 1 << 40, gguf)  # no cap: plain decoding's tokens, and the most
-    # anonymous memory the run needs (while loading)
+    check_capped(gguf, {"backend": "llama.cpp", "context": 512, "max_memory": "400MB"}, [gguf], gguf.stat().st_size)
+
+
+@pytest.mark.skipif(cgroups_available() is not None, reason=f"memory cgroups: {cgroups_available()}")
+def test_torch_int4_under_a_cap_below_its_weights_is_exact_and_stays_inside_it(tmp_path):
+    # The quantized copy, memory-mapped by torch.load: a private cache folder holding a copy of it (see above).
+    saved = load_model(NAME, backend="torch", quantize="int4")
+    folder = cache_root() / "quantized" / f"{NAME}-int4"
+    assert saved.quantization == "int4" and is_saved(folder)
+    private = tmp_path / "cache"
+    shutil.copytree(folder, private / "quantized" / folder.name)
+    shutil.copytree(cache_root() / "costs", private / "costs", dirs_exist_ok=True)  # (measured once, not again here)
+    weights = (folder / WEIGHTS).stat().st_size
+    env = {**os.environ, "ASSISTGEN_CACHE": str(private)}
+    check_capped(NAME, {"backend": "torch", "quantize": "int4", "max_memory": "400MB"},
+                 [private / "quantized" / folder.name / WEIGHTS], weights, env)
+
+
+def check_capped(spec, options: dict, files: list, weights: int, env: dict | None = None) -> None:
+    """Plain, lookup and the n-gram cache run under a cap that leaves a third of the weights room: the same tokens
+    as without a cap, drafting kept, the cap held, and the weights read in again and again."""
+    free_result, free = run_in_group(1 << 40, 1 << 40, spec, options, files, env)  # no cap: plain decoding's
+    # tokens, and the most anonymous memory the run needs (while loading)
     reference = free_result["runs"]["plain"]["tokens"]
-    assert len(reference) == TOKENS
+    assert len(reference) >= TOKENS // 2  # (it may stop at its end-of-text token earlier on some CPUs)
     limit = free["anon"] + 16 * 10**6
-    result, capped = run_in_group(limit, weights // 3, gguf)  # room for about a third of the weights' pages
+    result, capped = run_in_group(limit, weights // 3, spec, options, files, env)  # room for a third of the weights
     runs = result["runs"]
-    assert result["repack"] is False
+    assert result["file_backed"] is True
     for name, run in runs.items():
         assert run["tokens"] == reference, name  # greedy: the same tokens as plain decoding without a cap
     assert runs["lookup"]["accepted"] > 0 and runs["ngram"]["accepted"] > 0  # drafting happened, and was kept
@@ -112,3 +148,17 @@ def test_speculation_under_a_cap_below_the_weights_is_exact_and_stays_inside_it(
     # the weights did not fit: their pages were read in again and again (3 runs of about 40 passes), many times the
     # file more than the same run with room for everything (its anonymous pages are charged to both alike)
     assert (capped["pgpgin"] - free["pgpgin"]) * 4096 > 5 * weights, (capped, free, weights)
+
+
+def test_the_gguf_header_reader_gives_each_tensor_its_bytes():
+    from gguf import GGUFReader
+
+    from assistgen.backends.llamacpp.loading import tensor_sizes
+
+    path = gguf_file(NAME)
+    ours = tensor_sizes(path)
+    theirs = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    assert ours.keys() == theirs.keys()
+    assert all(0 <= ours[n] - theirs[n] < 32 for n in theirs)  # (up to the data alignment's padding)
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        tensor_sizes(Path(__file__))

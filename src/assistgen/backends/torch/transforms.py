@@ -17,7 +17,8 @@ times the whole model on each route once per model and machine (cached as JSON u
 where that measures faster still (the cheapest one-token step may be a padded several-row one).
 Inputs with more than `max_rows` rows (prefill) take `F.linear`. The packed copies cost extra memory
 (one more copy of the weights) and are made when the transform is applied: apply it after the
-weights are final. Quantized models (`quantize.py`) have no `nn.Linear` left and are not touched.
+weights are final; a model whose weights are offloaded (`max_memory`) takes MKL only, so that they stay
+file-backed. Quantized models (`quantize.py`) have no `nn.Linear` left and are not touched.
 
 Contract: the result is the same product; floating-point summation order may differ in the last
 bits between routes and row counts, which can only change an argmax at a near-tie. `mode` "auto"
@@ -362,7 +363,8 @@ def routes_path(model):
     """Where the route table of this model on this machine is cached (None for a model without a `cache_key`)."""
     if not model.cache_key:
         return None
-    key = measurement_key(model, f"attention={grouped_attention_applied(model.hf)}", "routes=v3")
+    key = measurement_key(model, f"attention={grouped_attention_applied(model.hf)}", "routes=v3",
+                          *(["file-backed"] if getattr(model, "max_memory", None) else []))
     return measurement_file("routes", model.cache_key, key)
 
 
@@ -376,7 +378,7 @@ def tune_routes(model, refresh: bool = False) -> dict | None:
 
     def measure() -> dict:
         by_route = {}
-        for route in ROUTES:
+        for route in routes_allowed(model):
             small_rows_linear(model.hf, mode="on", routes=route)
             by_route[route] = step_times(model, repeats=2)
         routes, padded = route_table(by_route)
@@ -391,12 +393,18 @@ def tune_routes(model, refresh: bool = False) -> dict | None:
     return record
 
 
+def routes_allowed(model) -> tuple[str, ...]:
+    """The routes a model may take: all, except for offloaded weights (`max_memory`), which must stay file-backed:
+    oneDNN's packed copies would be anonymous memory the size of the weights."""
+    return ("mkl",) if getattr(model, "max_memory", None) else ROUTES
+
+
 def route_table(by_route: dict[str, list[float]], max_rows: int = DEFAULT_MAX_ROWS) -> tuple[list[str], list[int]]:
     """(route per row count, row count each runs as), index = rows 0..max_rows, from whole-model step times
     by_route[route][n] for n+1 rows. A row count runs padded to a larger measured one where that is at least
     3% faster; ties go to MKL; rows beyond the measured ones keep the last route, unpadded."""
     measured = len(next(iter(by_route.values())))
-    best = [min(ROUTES, key=lambda r: by_route[r][n - 1]) for n in range(1, measured + 1)]  # best[n-1]: n rows
+    best = [min(by_route, key=lambda r: by_route[r][n - 1]) for n in range(1, measured + 1)]  # best[n-1]: n rows
     cost = [by_route[best[n - 1]][n - 1] for n in range(1, measured + 1)]
     routes, padded = ["mkl"] + best + [best[-1]] * (max_rows - measured), list(range(max_rows + 1))
     for n in range(1, measured + 1):
