@@ -6,8 +6,8 @@ then read once in 16 MiB blocks) and the baseline of the child process (Python w
 then runs each configuration as a child `assistgen bench ... --max-memory (LIMIT - baseline)` inside a fresh memory
 group limited to LIMIT (`memory.limit_in_bytes`, page cache included; swap off in the group), so that every weight
 page beyond what fits is read from the file again when needed. After each child it reads the group's peak usage
-(`memory.max_usage_in_bytes`), its peak anonymous memory (polled: what cannot be evicted, so LIMIT minus it is the
-room left for the weights' pages) and page-ins, and removes the group. The records (tokens, seconds, whether the
+(`memory.max_usage_in_bytes`), its anonymous memory (polled: what cannot be evicted; LIMIT minus what decoding keeps is
+the room left for the weights' pages) and page-ins, and removes the group. The records (tokens, seconds, whether the
 greedy output equals plain's) go to `--out`; the table is the bench's own, with a line per configuration of its
 peak, its room for the weights and page-ins.
 
@@ -81,17 +81,20 @@ def baseline_bytes() -> int:
 
 
 def run_capped(argv: list[str], limit: int) -> dict:
-    """Run `argv` in a fresh group limited to `limit`; its peak usage, its peak anonymous memory (polled every 0.2 s:
-    what the kernel cannot evict) and the pages it read in."""
+    """Run `argv` in a fresh group limited to `limit`; its peak usage, its anonymous memory (polled every 0.2 s: what
+    the kernel cannot evict; the peak, and the median over the run's second half, which is what decoding keeps while
+    the peak may be a moment of loading or measuring) and the pages it read in."""
     group = MemoryGroup(limit)
     try:
-        start, anon = time.perf_counter(), 0
+        start, anon = time.perf_counter(), []
         child = subprocess.Popen(argv, preexec_fn=group.add_self)
         while child.poll() is None:
-            anon = max(anon, group.stat("total_rss"))
+            anon.append(group.stat("total_rss"))
             time.sleep(0.2)
+        late = sorted(anon[len(anon) // 2:]) or [0]
         return {"rc": child.returncode, "seconds": time.perf_counter() - start, "peak": group.peak(),
-                "peak_anon": anon, "pgmajfault": group.stat("total_pgmajfault"), "pgpgin": group.stat("total_pgpgin")}
+                "peak_anon": max(anon, default=0), "decoding_anon": late[len(late) // 2],
+                "pgmajfault": group.stat("total_pgmajfault"), "pgpgin": group.stat("total_pgpgin")}
     finally:
         group.remove()
 
@@ -101,7 +104,10 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--backend", choices=("llama.cpp", "torch"), default="llama.cpp")
     parser.add_argument("--quantize", choices=("int8", "int4"), help="torch backend: its quantized copy")
-    parser.add_argument("--limit", required=True, help="the group's limit: all the child may keep resident")
+    cap = parser.add_mutually_exclusive_group(required=True)
+    cap.add_argument("--limit", help="the group's limit: all the child may keep resident")
+    cap.add_argument("--max-memory", help="the model's budget (--max-memory of the bench): the group's limit is "
+                                          "that plus the child's baseline (Python and assistgen imported)")
     parser.add_argument("--config", action="append", required=True,
                         help="assistgen bench arguments of one configuration (repeatable)")
     parser.add_argument("--context", type=int, default=1024)
@@ -114,14 +120,15 @@ def main() -> None:
     if why:
         raise SystemExit(f"benchmarks/offload.py: {why}. Run it as root on a Linux machine with cgroup v1's memory "
                          "controller mounted at /sys/fs/cgroup/memory.")
-    limit = parse_budget(args.limit)
     files = weight_files(args.model, args.backend, args.quantize)
     speed = sum(f.stat().st_size for f in files) / sum(f.stat().st_size / read_speed(f) for f in files)
     base = baseline_bytes()
+    limit = parse_budget(args.limit) if args.limit else base + parse_budget(args.max_memory)
     budget = limit - base
     weights = sum(f.stat().st_size for f in files)
-    print(f"target {', '.join(f.name for f in files)}: {megabytes(weights)}; disk read {speed / 1e9:.2f} GB/s; group limit "
-          f"{megabytes(limit)}; child baseline (imports) {megabytes(base)}, so --max-memory {megabytes(budget)}",
+    print(f"target {', '.join(f.name for f in files)}: {megabytes(weights)}; disk read {speed / 1e9:.2f} GB/s; "
+          f"group limit {megabytes(limit)}; child baseline (imports) {megabytes(base)}, so --max-memory "
+          f"{megabytes(budget)}",
           flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     cli = [str(Path(sys.executable).with_name("assistgen")), "bench", "--model", args.model, "--backend", args.backend,
@@ -135,11 +142,11 @@ def main() -> None:
         for f in files:
             drop_from_page_cache(f)
         r = run_capped(cli + shlex.split(config), limit)
-        room = limit - r["peak_anon"]
-        print(f"[{config}] rc {r['rc']}, {r['seconds']:.0f} s; peak {megabytes(r['peak'])} of {megabytes(limit)}, "
-              f"of it anonymous {megabytes(r['peak_anon'])}: room for file pages (weights) {megabytes(room)}, "
-              f"{room / weights:.0%} of the target's file; major faults {r['pgmajfault']}, pages in {r['pgpgin']}",
-              flush=True)
+        room = limit - r["decoding_anon"]
+        print(f"[{config}] rc {r['rc']}, {r['seconds']:.0f} s; peak {megabytes(r['peak'])} of {megabytes(limit)}; "
+              f"anonymous: peak {megabytes(r['peak_anon'])}, while decoding {megabytes(r['decoding_anon'])}, so room "
+              f"for file pages (weights) {megabytes(room)}, {room / weights:.0%} of the target's file; major faults "
+              f"{r['pgmajfault']}, pages in {r['pgpgin']}", flush=True)
 
 
 if __name__ == "__main__":

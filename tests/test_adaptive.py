@@ -432,3 +432,38 @@ def test_passes_slower_than_measured_flatten_the_curve_and_lengthen_the_drafts()
     assert steady.curve == target.costs.curve  # as measured
     assert streamed.curve[16] < 2.1 < target.costs.curve[16]  # 13 before: nearly flat now
     assert min(ks["streamed"][1][-20:]) > max(ks["steady"][1][-20:])  # drafts longer where verifying is nearly free
+    # A free drafter's draft (prompt lookup) is verified further too: the step is priced with the run's costs.
+    lengths = {}
+    for name, extra in (("steady", 0.0), ("streamed", 1.2)):
+        run, rng = Adaptive().prepare(target, [Cheap()]), random.Random(1)
+        for _ in range(40):  # 12 of each draft verified, each token right with p = 0.7
+            accepted = next((i for i in range(12) if rng.random() > 0.7), 12)
+            run.update(StepOutcome(Draft([4] * 16, source="lookup"), "lookup", 12, accepted, 5, draft_s=1e-4,
+                                   verify_s=seconds[12] + extra))
+        lengths[name] = verified(run, Draft([4] * 16, source="lookup"), "lookup")
+    assert lengths["streamed"] > lengths["steady"], lengths
+
+
+def test_an_offloaded_target_prices_a_resident_assistant_by_measured_step_times():
+    """A target whose weights stream from their file (`max_memory`) takes 1.2 s a pass whatever its size; an assistant
+    of 45 % of its weight bytes, resident, takes 0.03 s: its prior cost is their measured step times' ratio, not the
+    bytes' share, and with it the assistant drafts from the first step. Without offloading the bytes' share stays."""
+    from types import SimpleNamespace
+
+    from assistgen.policy.costs import PassCosts
+    from assistgen.policy.schedules import cost_hint
+
+    def measured(t1: float, slope: float) -> PassCosts:
+        seconds = [t1 * (1 + slope * k) for k in range(17)]
+        return PassCosts.of({"step_seconds": seconds, "verification_costs": [t / t1 for t in seconds],
+                             "wide_rows": [], "wide_costs": [], "sequence_cost": 0.0, "batch_row_cost": 0.0})
+
+    assistant = SimpleNamespace(weight_bytes=450, costs=measured(0.03, 0.5))
+    drafter = SimpleNamespace(name="assistant", model=assistant, acceptance_prior=None)
+    streamed = SimpleNamespace(weight_bytes=1000, costs=measured(1.2, 0.02), max_memory=500)
+    resident = SimpleNamespace(weight_bytes=1000, costs=measured(0.1, 0.75), max_memory=None)
+    assert cost_hint(drafter, streamed) == pytest.approx(0.025)
+    assert cost_hint(drafter, resident) == pytest.approx(0.45)
+    run = Adaptive().prepare(streamed, [drafter], prompt_length=600, budget=32)
+    assert run.next_k(drafter) >= 1  # drafts at once: its catch-up on the prompt is cheap against a streamed pass
+    assert Adaptive().prepare(resident, [drafter], prompt_length=600, budget=32).next_k(drafter) == 0  # catch-up

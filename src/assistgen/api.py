@@ -50,7 +50,8 @@ def load_model(spec: str, fast_linear: bool | str = "auto", backend: str = "auto
     """Load `spec` (an embedded alias, a `.gguf` file, a local model folder or a hub id) on `backend` ("auto":
     llama.cpp for a GGUF file on the CPU when it is installed, else torch: `backends.loader`), with that
     backend's options (torch: `dtype`, `device`, `quantize`; llama.cpp: `context`, `sequences`, `threads`, ...;
-    their defaults are the backend's), then `prepare` it unless `fast_linear` is False."""
+    both: `max_memory`, offloaded weights; their defaults are the backend's), then `prepare` it unless
+    `fast_linear` is False."""
     model = load(spec, backend, **loading)
     if fast_linear:
         prepare(model, fast_linear)

@@ -15,6 +15,8 @@ plus what decoding needs to know: `name`, `backend` (the library's name, for mes
 `decode`, `get_vocab`, `convert_ids_to_tokens`, `apply_chat_template`), `vocab_size` (the width of the
 logits), `eos_token_ids`, `context_length` (None when unbounded), `device` (where logits, and the
 tensors made from them, live), `weight_bytes` (what a forward pass reads, for the policy's cost prior),
+`max_memory` (the budget its weights are offloaded under, in bytes, None when they are not: then a pass's time is set
+by reading the weights from their file, not by their size),
 `clock()` (seconds on a monotonic clock once the device's queued work is done: every timing above the
 seam goes through it), `optimize(mode, refresh)` (the backend's own speed transforms, "auto": only
 where they measure faster; it drops `costs`, which no longer hold) and `fingerprint(*extra)` (a stable
@@ -73,6 +75,7 @@ class LanguageModel(Protocol):
     cache_key: str | None
     costs: Any  # the policy's measurements of this model (`policy.costs.PassCosts`), None until measured
     capabilities: Capabilities
+    max_memory: int | None  # the budget its weights are offloaded under (bytes); None: not offloaded
 
     @property
     def vocab_size(self) -> int: ...

@@ -81,10 +81,11 @@ def loading(args: argparse.Namespace, assistant: bool = False) -> dict:
 
 def load_target_and_assistant(args: argparse.Namespace) -> tuple:
     """A command's target and its assistant (None without --assistant). With --max-memory the assistant is loaded
-    first and stays resident: what it added (its anonymous memory and its weights) is taken from the budget, and
-    the target gets the rest."""
+    first and stays resident: what it added (its anonymous memory and the file pages it maps, measured after its
+    load's passes) is taken from the budget, and the target gets the rest."""
     from assistgen import load_model
     from assistgen.backends.budget import megabytes, parse_budget, resident
+    from assistgen.backends.embedded import say
 
     target = loading(args)
     if not args.assistant:
@@ -93,11 +94,14 @@ def load_target_and_assistant(args: argparse.Namespace) -> tuple:
     assistant = load_model(args.assistant, **loading(args, assistant=True))
     if "max_memory" in target:
         budget = parse_budget(target["max_memory"])
-        kept = max(0, resident()["anon"] - before["anon"]) + assistant.weight_bytes
+        after = resident()  # (its load ran passes: every weight it reads is resident, in its file's pages or copied)
+        kept = max(0, after["anon"] + after["file"] - before["anon"] - before["file"])
         if budget <= kept:
             raise ConfigError(f"--max-memory {megabytes(budget)} leaves nothing for the target: the assistant "
                               f"{args.assistant} keeps {megabytes(kept)} resident. Give more, or a smaller assistant.")
         target["max_memory"] = budget - kept
+        say(f"--max-memory {megabytes(budget)}: the assistant {args.assistant} keeps {megabytes(kept)} resident; the "
+            f"target {args.model} gets {megabytes(budget - kept)}.")
     return load_model(args.model, **target), assistant
 
 

@@ -81,15 +81,22 @@ class PassCosts:
         return self.rows(rows) + (sequences - 1) * self.sequence + draft_rows * self.batch_row
 
 
-def slower_by(costs: PassCosts, extra_s: float) -> tuple[float, ...]:
-    """The curve when every pass takes `extra_s` seconds more than when it was measured, a fixed cost whatever its
-    rows (weights read from the file in each pass, when they do not fit in memory):
-    v[k] = (t(k+1) + extra) / (t(1) + extra). Measured costs only (the record's seconds); else the curve as it is."""
+def slower_by(costs: PassCosts, extra_s: float) -> PassCosts:
+    """The costs when every pass takes `extra_s` seconds more than when it was measured, a fixed cost whatever its
+    rows (weights read from the file in each pass, when they do not fit in memory): t'(n) / t'(1) =
+    (t(n) + extra) / (t(1) + extra) for the curve and the wider points, and a further sequence's or draft row's
+    cost shrinks by t(1) / (t(1) + extra). Measured costs only (the record's seconds); else the costs as they are."""
     seconds = costs.record.get("step_seconds")
     if not seconds or extra_s <= 0:
-        return costs.curve
+        return costs
     t1 = seconds[0]
-    return tuple((t1 * v + extra_s) / (t1 + extra_s) for v in costs.curve)
+    scale = t1 / (t1 + extra_s)
+
+    def slower(v: float) -> float:
+        return (t1 * v + extra_s) / (t1 + extra_s)
+
+    return PassCosts(tuple(slower(v) for v in costs.curve), tuple((n, slower(v)) for n, v in costs.points),
+                     costs.sequence * scale, costs.batch_row * scale, costs.record)
 
 
 def pass_costs(model) -> PassCosts:

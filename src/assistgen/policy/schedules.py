@@ -306,14 +306,14 @@ class AdaptiveRun:
         self.last_drafter = ""
         self.extra_s = 0.0  # how much longer the target's passes take than when its costs were measured (EMA)
         self.timed: set[str] = set()  # drafters whose cost per token has been measured (not a prior any more)
-        self._curve: tuple[float, ...] | None = None
-        self.costs: PassCosts | None = None  # None for plain decoding: nothing to choose
+        self._priced: PassCosts | None = None
+        self.measured: PassCosts | None = None  # None for plain decoding: nothing to choose
         if not drafters:
             return
         if settings.curve is not None:
-            self.costs = PassCosts.from_curve(settings.curve, like=target.costs if target is not None else None)
+            self.measured = PassCosts.from_curve(settings.curve, like=target.costs if target is not None else None)
         else:
-            self.costs = pass_costs(target)
+            self.measured = pass_costs(target)
         for drafter in drafters:
             self.drafter_cost.setdefault(drafter.name, prior_cost(drafter, target, settings.drafter_cost_prior))
             if drafter.acceptance_prior is not None and drafter.name not in self.acceptance:  # early exit's agreement
@@ -333,22 +333,29 @@ class AdaptiveRun:
         return self.acceptance[source]
 
     @property
+    def costs(self) -> PassCosts | None:
+        """The costs this run (and the step it is in) prices with: the measured ones, or, where the passes have become
+        more than twice as slow as measured (a fixed cost per pass appeared: weights streamed from the file), those
+        with that cost added beyond the doubling (`costs.slower_by`), so that drafting, and verifying, long pays when
+        1 and 17 rows cost nearly the same."""
+        if self.measured is None:
+            return None
+        if self._priced is None:
+            t1 = (self.measured.record.get("step_seconds") or [0.0])[0]
+            self._priced = slower_by(self.measured, self.extra_s - t1)
+        return self._priced
+
+    @property
     def curve(self) -> tuple[float, ...]:
-        """v[k] of the costs this run prices with: the measured curve, or, where the passes have become more than
-        twice as slow as measured (a fixed cost per pass appeared: weights streamed from the file), the curve with
-        that cost added beyond the doubling (`costs.slower_by`), so that drafting long pays when 1 and 17 rows cost
-        nearly the same."""
-        if self._curve is None:
-            t1 = (self.costs.record.get("step_seconds") or [0.0])[0]
-            self._curve = slower_by(self.costs, self.extra_s - t1)
-        return self._curve
+        """v[k] of `costs`."""
+        return self.costs.curve
 
     def slowdown(self) -> float:
         """How many of its measured plain steps a plain step now takes by the curve's account (1 unless the passes
         became more than twice as slow as measured): a model drafter's prior cost, priced in measured steps, is that
         much smaller in today's steps (the cost the passes gained is the target's: an assistant kept resident does
         not pay it)."""
-        seconds = self.costs.record.get("step_seconds")
+        seconds = self.measured.record.get("step_seconds")
         if not seconds:
             return 1.0
         return 1.0 + max(0.0, self.extra_s - seconds[0]) / seconds[0]
@@ -408,7 +415,7 @@ class AdaptiveRun:
         return self.estimate(draft.source or drafter_name, drafter_name).estimate()
 
     def update(self, outcome: StepOutcome) -> None:
-        if self.costs is None:
+        if self.measured is None:
             return
         self.length += outcome.accepted + 1
         if outcome.drafter and outcome.draft.tokens:
@@ -438,11 +445,11 @@ class AdaptiveRun:
         if outcome.verify_s > 0:
             unit = outcome.verify_s / self.curve[min(outcome.verified, len(self.curve) - 1)]
             self.unit_s = unit if self.unit_s is None else self.unit_s + w * (unit - self.unit_s)
-            seconds = self.costs.record.get("step_seconds")
+            seconds = self.measured.record.get("step_seconds")
             if seconds:  # (measured costs: follow how much longer a pass takes now than then)
-                extra = outcome.verify_s - seconds[0] * self.costs.rows(outcome.verified + 1)
+                extra = outcome.verify_s - seconds[0] * self.measured.rows(outcome.verified + 1)
                 self.extra_s += w * (extra - self.extra_s)
-                self._curve = None
+                self._priced = None
         # A drafter that drafted last step too has no catch-up cost in its time.
         if outcome.drafter and outcome.draft.tokens and outcome.drafter == self.last_drafter and self.unit_s:
             c = outcome.draft_s / len(outcome.draft.tokens) / self.unit_s
@@ -470,8 +477,21 @@ def prior_cost(drafter: Drafter, target: LanguageModel | None, drafter_cost_prio
 
 
 def cost_hint(drafter: Drafter, target: LanguageModel) -> float:
-    """A model drafter's cost per token before it is measured: its model's share of the target's weight bytes."""
+    """A model drafter's cost per token before it is measured: its model's share of the target's weight bytes, or,
+    for a target whose weights are offloaded (`max_memory`: its passes take the time of reading them from their file,
+    which a resident drafter does not pay), its measured plain-step time over the target's where both were measured."""
+    if getattr(target, "max_memory", None):
+        mine, theirs = step_seconds(drafter.model), step_seconds(target)
+        if mine and theirs:
+            return mine / theirs
     return drafter.model.weight_bytes / max(1, target.weight_bytes)
+
+
+def step_seconds(model) -> float | None:
+    """A model's measured plain-step time t(1) (`costs.calibrate`'s record), None when it has not been measured."""
+    costs = getattr(model, "costs", None)
+    seconds = costs.record.get("step_seconds") if costs is not None else None
+    return seconds[0] if seconds else None
 
 
 def parse_schedule(text: str) -> Schedule:

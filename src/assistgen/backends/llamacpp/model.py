@@ -127,6 +127,11 @@ class LlamaModel:
     def weight_bytes(self) -> int:
         return int(self.lib.llama_model_size(self._model))
 
+    @property
+    def max_memory(self) -> int | None:
+        """The budget its weights are offloaded under (bytes), None when they are not."""
+        return self.settings.max_memory
+
     def clock(self) -> float:
         return time.perf_counter()  # llama_decode returns when its work is done
 
