@@ -56,8 +56,9 @@ def main() -> None:
     folder = files[0].parent
     budget = parse_budget(args.max_memory)
     limit = baseline_bytes() + budget
-    print(f"{args.model}: {megabytes(sum(f.stat().st_size for f in files))} of safetensors; budget {megabytes(budget)}, "
-          f"group limit {megabytes(limit)}", flush=True)
+    weights = sum(f.stat().st_size for f in files)
+    print(f"{args.model}: {megabytes(weights)} of safetensors; budget {megabytes(budget)}, group limit "
+          f"{megabytes(limit)}", flush=True)
     results = {}
     for way in ("mmap", "disk-offload"):
         with tempfile.TemporaryDirectory() as offload:
