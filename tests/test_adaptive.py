@@ -467,3 +467,27 @@ def test_an_offloaded_target_prices_a_resident_assistant_by_measured_step_times(
     run = Adaptive().prepare(streamed, [drafter], prompt_length=600, budget=32)
     assert run.next_k(drafter) >= 1  # drafts at once: its catch-up on the prompt is cheap against a streamed pass
     assert Adaptive().prepare(resident, [drafter], prompt_length=600, budget=32).next_k(drafter) == 0  # catch-up
+
+
+def test_passes_that_also_cost_more_per_row_than_measured_are_not_priced_as_free():
+    """As measured under a memory cap on the torch backend (SmolLM2-135M, costs cached from a run in memory, t(1) =
+    29 ms): a plain pass takes about 1.0 s, a 16-row one about 1.45 s, more than a fixed extra cost per pass gives
+    (1.06). Lookup's drafts are right 10 % of the time: once the steps show that, long drafts are not verified."""
+    from types import SimpleNamespace
+
+    from assistgen.drafters.base import Draft
+    from assistgen.policy.costs import PassCosts
+
+    curve = [1.0 + 0.125 * k for k in range(17)]  # t(17) = 3 t(1), as measured in memory
+    seconds = [0.029 * v for v in curve]
+    record = {"step_seconds": seconds, "verification_costs": curve, "wide_rows": [], "wide_costs": [],
+              "sequence_cost": 0.0, "batch_row_cost": 0.0}
+    target = SimpleNamespace(costs=PassCosts.of(record))
+    run, rng = Adaptive().prepare(target, [Cheap()]), random.Random(0)
+    for i in range(40):
+        rows = 1 if i % 3 == 0 else rng.choice([4, 8, 12, 16])
+        accepted = 1 if rows > 1 and rng.random() < 0.1 else 0
+        run.update(StepOutcome(Draft([4] * 16, source="lookup"), "lookup" if rows > 1 else "", rows - 1,
+                               min(accepted, rows - 1), 5, draft_s=1e-4, verify_s=1.0 + 0.03 * (rows - 1)))
+    assert run.curve[15] > 1.3  # what the steps showed, not the 1.06 of a fixed extra cost
+    assert verified(run, Draft([4] * 16, source="lookup"), "lookup") <= 2

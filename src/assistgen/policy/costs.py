@@ -99,6 +99,41 @@ def slower_by(costs: PassCosts, extra_s: float) -> PassCosts:
                      costs.sequence * scale, costs.batch_row * scale, costs.record)
 
 
+def at_least(costs: PassCosts, floor: list[float]) -> PassCosts:
+    """`costs` with each v[k] raised to at least floor[k] (the wider points by as much as the last)."""
+    curve = tuple(max(v, f) for v, f in zip(costs.curve, floor, strict=False)) + costs.curve[len(floor):]
+    lift = curve[-1] / costs.curve[-1]
+    points = tuple((n, curve[n - 1] if n <= len(curve) else v * lift) for n, v in costs.points)
+    return PassCosts(curve, points, costs.sequence, costs.batch_row, costs.record)
+
+
+@dataclass
+class RowFit:
+    """A pass's time against its rows, t(n) ~ a + b (n - 1), fitted online from recent steps (each older one weighs
+    `decay` times less): what a pass costs per row now, where the measured curve no longer holds."""
+
+    decay: float = 0.9
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, n, n^2, t, n*t (n counted from 0)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        n = rows - 1
+        self.sums = [self.decay * x for x in self.sums]
+        for i, value in enumerate((1.0, n, n * n, seconds, n * seconds)):
+            self.sums[i] += value
+
+    def curve(self, size: int) -> list[float] | None:
+        """v[k] = t(k+1) / t(1) for k < size from the fit (slope at least 0), or None while the rows observed do not
+        spread enough (their variance under one row) to tell a slope."""
+        w, n, nn, t, nt = self.sums
+        if w <= 0 or nn / w - (n / w) ** 2 < 1.0:
+            return None
+        slope = max(0.0, (nt / w - n / w * t / w) / (nn / w - (n / w) ** 2))
+        a = t / w - slope * n / w
+        if a <= 0:
+            return None
+        return [(a + slope * k) / a for k in range(size)]
+
+
 def pass_costs(model) -> PassCosts:
     """The model's `PassCosts`: its `costs` field, measured (or read from disk) on first use."""
     return model.costs if model.costs is not None else calibrate(model)

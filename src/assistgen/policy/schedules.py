@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from assistgen.drafters.base import Draft, Drafter
-from assistgen.policy.costs import PassCosts, pass_costs, slower_by
+from assistgen.policy.costs import PassCosts, RowFit, at_least, pass_costs, slower_by
 from assistgen.policy.gain import MAX_K, best_lookahead, lookahead
 
 if TYPE_CHECKING:
@@ -307,6 +307,7 @@ class AdaptiveRun:
         self.extra_s = 0.0  # how much longer the target's passes take than when its costs were measured (EMA)
         self.timed: set[str] = set()  # drafters whose cost per token has been measured (not a prior any more)
         self._priced: PassCosts | None = None
+        self.row_fit = RowFit()  # the passes' time against their rows, as they run (when measuring)
         self.measured: PassCosts | None = None  # None for plain decoding: nothing to choose
         if not drafters:
             return
@@ -337,12 +338,16 @@ class AdaptiveRun:
         """The costs this run (and the step it is in) prices with: the measured ones, or, where the passes have become
         more than twice as slow as measured (a fixed cost per pass appeared: weights streamed from the file), those
         with that cost added beyond the doubling (`costs.slower_by`), so that drafting, and verifying, long pays when
-        1 and 17 rows cost nearly the same."""
+        1 and 17 rows cost nearly the same; and then never below what the steps' own times show per row
+        (`costs.RowFit`), so that a pass that also costs more per row than measured is not priced as free."""
         if self.measured is None:
             return None
         if self._priced is None:
             t1 = (self.measured.record.get("step_seconds") or [0.0])[0]
             self._priced = slower_by(self.measured, self.extra_s - t1)
+            fitted = self.row_fit.curve(len(self.measured.curve)) if self._priced is not self.measured else None
+            if fitted:  # (a pass may also cost more per row than measured: never priced below what the steps show)
+                self._priced = at_least(self._priced, fitted)
         return self._priced
 
     @property
@@ -449,6 +454,7 @@ class AdaptiveRun:
             if seconds:  # (measured costs: follow how much longer a pass takes now than then)
                 extra = outcome.verify_s - seconds[0] * self.measured.rows(outcome.verified + 1)
                 self.extra_s += w * (extra - self.extra_s)
+                self.row_fit.observe(outcome.verified + 1, outcome.verify_s)
                 self._priced = None
         # A drafter that drafted last step too has no catch-up cost in its time.
         if outcome.drafter and outcome.draft.tokens and outcome.drafter == self.last_drafter and self.unit_s:

@@ -94,12 +94,14 @@ class Model:
         return clock(self.device)
 
     def set_up(self) -> tuple[str, ...]:
-        """What timings depend on beyond the model and machine: quantization, linear routes, attention, KV layout."""
+        """What timings depend on beyond the model and machine: quantization, linear routes, attention, KV layout, and
+        the budget its weights are offloaded under."""
         from assistgen.backends.torch.transforms import applied_routes, grouped_attention_applied
 
         padded = self.routes.get("padded") if self.routes else None
+        budget = (f"max_memory={self.max_memory}",) if self.max_memory else ()  # (measured in the budget's conditions)
         return (f"quantization={self.quantization}", f"routes={applied_routes(self.hf)}|{padded}",
-                f"attention={grouped_attention_applied(self.hf)}", "kv=ragged")
+                f"attention={grouped_attention_applied(self.hf)}", "kv=ragged", *budget)
 
     def fingerprint(self, *extra: str) -> str:
         return measurement_key(self, *self.set_up(), *extra)
