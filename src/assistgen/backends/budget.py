@@ -4,6 +4,7 @@ keeps resident, and the smallest budget a model can run in.
 Contract: `parse_budget(value)` takes bytes (an int) or text ("1GB", "512 MiB", "1.5g"; decimal and binary units,
 case-insensitive) and returns bytes, or raises `ConfigError` naming the forms it takes. `resident()` is this
 process's resident memory by kind (/proc/self/status: anonymous, file-backed), 0s where /proc is missing.
+`check_model_budget(model, before, ...)` measures a loaded model's part of that (after one pass) and checks it.
 `check_floor(name, budget, parts)` raises `ModelLoadError` when the budget is below the sum of `parts` (what must stay
 resident), naming the smallest budget that works and what it is made of. Weights beyond a budget stay file-backed
 (memory-mapped): the operating system keeps what fits and reads the rest from the file during each forward pass.
@@ -62,3 +63,13 @@ def check_floor(name: str, budget: int, parts: dict[str, int]) -> None:
         raise ModelLoadError(f"max_memory={megabytes(budget)} is below what {name} must keep resident ({made_of}): "
                              f"give at least {least} MB (--max-memory {least}MB), or a shorter context (--context), "
                              "or a smaller assistant.")
+
+
+def check_model_budget(model, before: dict[str, int], resident_what: str, block_what: str, block_bytes: int) -> None:
+    """Refuse `model.max_memory` below what must stay resident: the anonymous memory its load added since `before`,
+    measured after one pass (`resident_what` names what that is on its backend), and its largest weight block."""
+    cache = model.new_cache()
+    cache.feed(model.tokenizer("Hello")["input_ids"][:1] or [0])
+    del cache
+    check_floor(model.name, model.max_memory, {resident_what: max(0, resident()["anon"] - before["anon"]),
+                                               block_what: block_bytes})

@@ -81,15 +81,20 @@ class PassCosts:
         return self.rows(rows) + (sequences - 1) * self.sequence + draft_rows * self.batch_row
 
 
+def plain_seconds(costs: PassCosts | None) -> float | None:
+    """The measured plain-step time t(1) in seconds (the record's), None for costs not measured in seconds."""
+    seconds = costs.record.get("step_seconds") if costs is not None else None
+    return seconds[0] if seconds else None
+
+
 def slower_by(costs: PassCosts, extra_s: float) -> PassCosts:
     """The costs when every pass takes `extra_s` seconds more than when it was measured, a fixed cost whatever its
     rows (weights read from the file in each pass, when they do not fit in memory): t'(n) / t'(1) =
     (t(n) + extra) / (t(1) + extra) for the curve and the wider points, and a further sequence's or draft row's
     cost shrinks by t(1) / (t(1) + extra). Measured costs only (the record's seconds); else the costs as they are."""
-    seconds = costs.record.get("step_seconds")
-    if not seconds or extra_s <= 0:
+    t1 = plain_seconds(costs)
+    if not t1 or extra_s <= 0:
         return costs
-    t1 = seconds[0]
     scale = t1 / (t1 + extra_s)
 
     def slower(v: float) -> float:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from assistgen.drafters.base import Draft, Drafter
-from assistgen.policy.costs import PassCosts, RowFit, at_least, pass_costs, slower_by
+from assistgen.policy.costs import PassCosts, RowFit, at_least, pass_costs, plain_seconds, slower_by
 from assistgen.policy.gain import MAX_K, best_lookahead, lookahead
 
 if TYPE_CHECKING:
@@ -343,8 +343,7 @@ class AdaptiveRun:
         if self.measured is None:
             return None
         if self._priced is None:
-            t1 = (self.measured.record.get("step_seconds") or [0.0])[0]
-            self._priced = slower_by(self.measured, self.extra_s - t1)
+            self._priced = slower_by(self.measured, self.extra_s - (plain_seconds(self.measured) or 0.0))
             fitted = self.row_fit.curve(len(self.measured.curve)) if self._priced is not self.measured else None
             if fitted:  # (a pass may also cost more per row than measured: never priced below what the steps show)
                 self._priced = at_least(self._priced, fitted)
@@ -360,10 +359,8 @@ class AdaptiveRun:
         became more than twice as slow as measured): a model drafter's prior cost, priced in measured steps, is that
         much smaller in today's steps (the cost the passes gained is the target's: an assistant kept resident does
         not pay it)."""
-        seconds = self.measured.record.get("step_seconds")
-        if not seconds:
-            return 1.0
-        return 1.0 + max(0.0, self.extra_s - seconds[0]) / seconds[0]
+        t1 = plain_seconds(self.measured)
+        return 1.0 + max(0.0, self.extra_s - t1) / t1 if t1 else 1.0
 
     def is_free(self, drafter_name: str) -> bool:
         return self.drafter_cost.get(drafter_name, 0.0) < self.settings.free_cost
@@ -450,9 +447,9 @@ class AdaptiveRun:
         if outcome.verify_s > 0:
             unit = outcome.verify_s / self.curve[min(outcome.verified, len(self.curve) - 1)]
             self.unit_s = unit if self.unit_s is None else self.unit_s + w * (unit - self.unit_s)
-            seconds = self.measured.record.get("step_seconds")
-            if seconds:  # (measured costs: follow how much longer a pass takes now than then)
-                extra = outcome.verify_s - seconds[0] * self.measured.rows(outcome.verified + 1)
+            t1 = plain_seconds(self.measured)
+            if t1:  # (measured costs: follow how much longer a pass takes now than then)
+                extra = outcome.verify_s - t1 * self.measured.rows(outcome.verified + 1)
                 self.extra_s += w * (extra - self.extra_s)
                 self.row_fit.observe(outcome.verified + 1, outcome.verify_s)
                 self._priced = None
@@ -487,17 +484,10 @@ def cost_hint(drafter: Drafter, target: LanguageModel) -> float:
     for a target whose weights are offloaded (`max_memory`: its passes take the time of reading them from their file,
     which a resident drafter does not pay), its measured plain-step time over the target's where both were measured."""
     if getattr(target, "max_memory", None):
-        mine, theirs = step_seconds(drafter.model), step_seconds(target)
+        mine, theirs = plain_seconds(drafter.model.costs), plain_seconds(target.costs)
         if mine and theirs:
             return mine / theirs
     return drafter.model.weight_bytes / max(1, target.weight_bytes)
-
-
-def step_seconds(model) -> float | None:
-    """A model's measured plain-step time t(1) (`costs.calibrate`'s record), None when it has not been measured."""
-    costs = getattr(model, "costs", None)
-    seconds = costs.record.get("step_seconds") if costs is not None else None
-    return seconds[0] if seconds else None
 
 
 def parse_schedule(text: str) -> Schedule:

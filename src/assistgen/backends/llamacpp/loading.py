@@ -21,7 +21,7 @@ import importlib.util
 from dataclasses import replace
 from pathlib import Path
 
-from assistgen.backends.budget import check_floor, parse_budget, resident
+from assistgen.backends.budget import check_model_budget, parse_budget, resident
 from assistgen.backends.embedded import EMBEDDED, ModelLoadError, say
 from assistgen.backends.llamacpp.model import DEFAULT_CONTEXT, LlamaModel, LlamaSettings
 from assistgen.paths import cache_root, replaced_atomically, safe_name
@@ -101,12 +101,8 @@ def load(spec: str, settings: LlamaSettings | None = None) -> LlamaModel:
 def check_budget(model: LlamaModel, before: dict[str, int]) -> None:
     """Refuse a budget below what must stay resident: the context's own memory (KV cells, compute buffers, measured
     after one pass as the anonymous memory the load added, the tokenizer included) and the largest layer's weights."""
-    cache = model.new_cache()
-    cache.feed(model.tokenizer("Hello")["input_ids"][:1] or [0])
-    del cache
-    parts = {"KV cache, buffers and tokenizer": max(0, resident()["anon"] - before["anon"]),
-             "one layer's weights": largest_layer_bytes(model.path)}
-    check_floor(model.name, model.settings.max_memory, parts)
+    check_model_budget(model, before, "KV cache, buffers and tokenizer", "one layer's weights",
+                       largest_layer_bytes(model.path))
 
 
 def largest_layer_bytes(path: Path) -> int:

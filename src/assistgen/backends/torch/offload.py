@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from assistgen.backends.budget import check_floor, resident
+from assistgen.backends.budget import check_model_budget
 from assistgen.backends.torch import layers
 
 
@@ -34,12 +34,8 @@ def largest_block_bytes(hf: torch.nn.Module) -> int:
 
 def check_budget(model, before: dict[str, int]) -> None:
     """Refuse a budget below the anonymous memory the load added (after one pass) plus the largest weight block."""
-    cache = model.new_cache()
-    cache.feed(model.tokenizer("Hello")["input_ids"][:1] or [0])
-    del cache
-    parts = {"tokenizer, KV cache and converted weights": max(0, resident()["anon"] - before["anon"]),
-             "the largest layer's weights": largest_block_bytes(model.hf)}
-    check_floor(model.name, model.max_memory, parts)
+    check_model_budget(model, before, "tokenizer, KV cache and converted weights", "the largest layer's weights",
+                       largest_block_bytes(model.hf))
 
 
 def device_map(place: torch.device, budget: int) -> dict:
