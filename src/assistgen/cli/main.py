@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     drafter.add_argument("--early-exit", nargs="?", const=True, type=int, metavar="LAYERS",
                          help="self-drafting with the target's first LAYERS layers (chosen by calibration if omitted)")
     gen.add_argument("--schedule", type=parse_schedule,
-                     help="adaptive[:MAX_K] (default: cost-aware, k may be 0) | constant:K | heuristic | "
-                          "confidence:K:T")
+                     help="adaptive[:MAX_K[:ALTERNATIVES]] (default: cost-aware, k may be 0; ALTERNATIVES: at most "
+                          "this many other drafts verified beside one where passes cost the same for more rows, "
+                          "default 3, 0: none) | constant:K | heuristic | confidence:K:T")
     gen.add_argument("--max-new-tokens", type=int)
     gen.add_argument("--temperature", type=float, help="0 (default) is greedy")
     gen.add_argument("--top-k", type=int)

@@ -20,7 +20,10 @@ the target's rows at every verified position, cuts a draft at the first token th
 rejection there: `constrain`), and, when it speculates, asks the grammar's own drafter first
 (`drafters.grammar`: the continuation the grammar forces). With `config.logprobs` each chunk carries its tokens'
 log-probabilities, read from the same rows (`logprobs.py`); with `config.prompt_logprobs` the prefill keeps
-every prompt row and the first chunk carries the prompt's.
+every prompt row and the first chunk carries the prompt's. Where the schedule says a pass costs about the
+same for more rows (`schedules.StepPlan`), a greedy generation also verifies other drafters' drafts in forks of
+its cache, in the same pass (`add_alternatives`), and keeps the one accepted furthest: its cache, its tokens
+(`keep_furthest`); the tokens emitted are still the target's own greedy ones.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ from assistgen.core.constraint import Constraint
 from assistgen.core.logprobs import TokenLogprob, token_logprobs
 from assistgen.core.sampling import Sampler, verify_greedy, verify_speculative
 from assistgen.core.text import TextStream
-from assistgen.drafters.base import Drafter, Proposal, drafters_of, first_draft
+from assistgen.drafters.base import Draft, Drafter, Proposal, drafters_of, first_draft
 from assistgen.drafters.grammar import GrammarDrafter
 from assistgen.policy.costs import PassCosts, pass_costs
-from assistgen.policy.schedules import Schedule, ScheduleRun, StepOutcome, verified_lengths
+from assistgen.policy.gain import merged_reach
+from assistgen.policy.schedules import Schedule, ScheduleRun, StepOutcome, StepPlan, verified_lengths
 from assistgen.stats import Stats
 
 
@@ -49,6 +53,14 @@ class Chunk:
     stats: Stats | None = None  # the generation's statistics, live; final on the last chunk
     logprobs: list[TokenLogprob] | None = None  # one per token, when the config asks for them
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (the first has none): first chunk only
+
+
+@dataclass
+class Alternative:
+    """Another drafter's draft, verified whole in a fork of the generation's cache in the same pass."""
+
+    proposal: Proposal
+    cache: Cache
 
 
 @dataclass
@@ -74,6 +86,10 @@ class GenerationState:
     verified: int = 0  # how many of its tokens this step verifies
     forbidden: int | None = None  # the draft token right after the verified ones, when the grammar forbids it
     prompt_logprobs: list[TokenLogprob] | None = None  # filled by the prefill when the config asks for them
+    alternatives: list[Alternative] = field(default_factory=list)  # other drafts this step verifies beside its own
+    losers: list[StepOutcome] = field(default_factory=list)  # the drafts verified this step and not kept
+    alternative_rows: int = 0  # their draft tokens
+    from_alternative: bool = False  # whether the kept draft was an alternative
 
     @property
     def prefilling(self) -> bool:
@@ -131,14 +147,18 @@ def step(states: list[GenerationState], prefill_budget: int | None = None) -> li
     for s in decoding:
         if s.constraint is not None:
             constrain(s)
+    add_alternatives(decoding, sum(len(r) for r in prefill.values()), costs)
     fed = decoding + [s for s in states if prefill.get(id(s))]
     feeds = [(s.cache, [s.ids[-1]] + s.proposal.draft.tokens[: s.verified], s.verified + 1) for s in decoding]
     feeds += [(s.cache, prefill[id(s)], len(prefill[id(s)]) if s.config.prompt_logprobs is not None else 1)
               for s in fed[len(decoding):]]
+    others = [(a.cache, [s.ids[-1]] + a.proposal.draft.tokens, len(a.proposal.draft.tokens) + 1)
+              for s in decoding for a in s.alternatives]
     t = clock()
-    logits = target.feed_together(feeds)  # per generation [keep, vocab]
+    logits = target.feed_together(feeds + others)  # per generation [keep, vocab], then per alternative
     elapsed = clock() - t
-    rows_in_all = sum(len(ids) for _, ids, _ in feeds)
+    logits, other_logits = logits[: len(feeds)], iter(logits[len(feeds):])
+    rows_in_all = sum(len(ids) for _, ids, _ in feeds + others)
     if len(fed) > 1 and costs is None:
         costs = pass_costs(target)  # only fixed rules this step: the target's own costs share out its time
     chunks: dict[int, Chunk] = {}
@@ -150,6 +170,8 @@ def step(states: list[GenerationState], prefill_budget: int | None = None) -> li
                 record_prompt_logprobs(s, rows, len(prefill[id(s)]))
         else:
             share = elapsed if len(fed) == 1 else elapsed * time_share(s, len(fed), rows_in_all, costs)
+            if s.alternatives:
+                rows = keep_furthest(s, rows, [next(other_logits) for _ in s.alternatives])
             chunks[id(s)] = accept(s, rows, share)
     return [chunks.get(id(s)) for s in states]
 
@@ -215,10 +237,104 @@ def constrain(s: GenerationState) -> None:
     s.verified, s.forbidden = s.constraint.check(s.proposal.draft.tokens[: s.verified])
 
 
+def add_alternatives(decoding: list[GenerationState], prefill_rows: int, costs: PassCosts | None) -> None:
+    """Find alternative drafts (the other candidates the drafter found, then the drafts of the drafters after it and
+    of those not asked), and fork each generation's cache for those worth verifying in this pass: as many tokens as
+    the schedule says raise the step's
+    expected tokens per unit of time (`ScheduleRun.alternative_k` before drafting, `alternative_length` after), at
+    most `Adaptive.alternatives` of them. Greedy generations without a grammar only; none when a fork cannot be made
+    (the backend's sequences are all in use)."""
+    for s in decoding:
+        s.alternatives = []
+    if costs is None:
+        return
+    plan = StepPlan(costs, len(decoding) + (1 if prefill_rows else 0), len(decoding) + prefill_rows,
+                    sum(s.verified for s in decoding), 0.0)
+    for s in decoding:
+        best = s.run.reach(s.proposal.draft, s.proposal.drafter, s.verified)
+        plan.tokens += 1.0 + sum(best)  # (the target's own token, and the draft's expected accepted ones)
+    for s in decoding:
+        if s.config.greedy and s.constraint is None:
+            find_alternatives(s, plan)
+
+
+def find_alternatives(s: GenerationState, plan: StepPlan) -> None:
+    """`add_alternatives` for one generation: first the other candidates its drafter found (`Draft.others`), then
+    each later drafter's draft and its others, while the schedule says they pay."""
+    best = s.run.reach(s.proposal.draft, s.proposal.drafter, s.verified)
+    verified = [s.proposal.draft.tokens[: s.verified]]
+    candidates = [(d, s.proposal.drafter, 0.0) for d in s.proposal.draft.others]
+    later = iter([d for d in s.drafters if d.name != s.proposal.drafter and d.name not in s.proposal.empty])
+    while True:
+        if not candidates:
+            drafter = next(later, None)
+            if drafter is None:
+                return
+            k = s.run.alternative_k(drafter, best, plan, s.room, len(s.alternatives))
+            if k > 0:
+                candidates = ask_alternative(s, drafter, k)
+            continue
+        draft, name, seconds = candidates.pop(0)
+        shared = max(shared_length(tokens, draft.tokens) for tokens in verified)
+        n = s.run.alternative_length(draft, name, best, shared, plan, len(s.alternatives))
+        if n <= 0:
+            continue
+        try:
+            fork = s.cache.fork()
+        except ValueError:  # (no sequence left for it on the backend: verify without it)
+            return
+        draft = Draft(draft.tokens[:n], None, draft.forward_passes, draft.source or name)
+        s.alternatives.append(Alternative(Proposal(draft, name, seconds, seconds, draft.forward_passes), fork))
+        verified.append(draft.tokens)
+        merged = merged_reach(best, s.run.reach(draft, name, n), shared)
+        plan.add(sum(merged) - sum(best), n)
+        best = merged
+
+
+def ask_alternative(s: GenerationState, drafter, k: int) -> list[tuple[Draft, str, float]]:
+    """A later drafter's draft of k tokens (timed, counted in the statistics) and its others, as candidates."""
+    start = s.cache.clock()
+    draft = drafter.propose(s.ids, k, s.sampler, s.run.min_confidence)
+    seconds = s.cache.clock() - start
+    s.stats.draft_forward_passes += draft.forward_passes
+    s.stats.draft_s += seconds
+    if not draft.tokens:
+        return []
+    draft.source = draft.source or drafter.name
+    return [(draft, drafter.name, seconds)] + [(d, drafter.name, 0.0) for d in draft.others]
+
+
+def shared_length(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def keep_furthest(s: GenerationState, logits, others: list) -> object:
+    """Of the generation's draft and its alternatives (verified in the same pass: `logits` [verified+1, vocab] and
+    each alternative's), keep the one whose draft the target accepts furthest (ties: the generation's own): its
+    cache, proposal and logits become the generation's; each other one's acceptance is learnt by the schedule
+    after the step (`StepOutcome`s in `s.losers`). Returns the kept logits."""
+    candidates = [(s.proposal, s.cache, s.verified, logits)]
+    candidates += [(a.proposal, a.cache, len(a.proposal.draft.tokens), rows)
+                   for a, rows in zip(s.alternatives, others, strict=True)]
+    judged = [verify_greedy(rows, p.draft.tokens[:n]) for p, _, n, rows in candidates]
+    kept = max(range(len(candidates)), key=lambda i: (judged[i][0], -i))
+    s.losers = [StepOutcome(p.draft, p.drafter, n, judged[i][0], judged[i][1], p.seconds)
+                for i, (p, _, n, _) in enumerate(candidates) if i != kept]
+    s.from_alternative = kept > 0
+    s.proposal, s.cache, s.verified, logits = candidates[kept]
+    s.alternative_rows = sum(n for i, (_, _, n, _) in enumerate(candidates) if i != kept)
+    s.alternatives = []
+    return logits
+
+
 def time_share(s: GenerationState, sequences: int, rows: int, costs: PassCosts) -> float:
     """The share of a batched step's time (`sequences` generations, `rows` rows in all) that the generation's rows
     would have cost alone (for its schedule, which learns the time of a plain step from its steps)."""
-    return min(1.0, costs.rows(s.verified + 1) / costs.batch(sequences, rows))
+    mine = s.verified + 1 + sum(len(a.proposal.draft.tokens) + 1 for a in s.alternatives)
+    return min(1.0, costs.rows(mine) / costs.batch(sequences, rows))
 
 
 def accept(s: GenerationState, logits, verify_s: float) -> Chunk:
@@ -230,7 +346,12 @@ def accept(s: GenerationState, logits, verify_s: float) -> Chunk:
     s.stats.verify_s += verify_s
     s.cache.crop(len(s.ids) + accepted)  # roll back the rejected draft positions
     s.drafter.observe(accepted, p)
-    s.run.update(StepOutcome(draft, s.proposal.drafter, n, accepted, token, s.proposal.seconds, verify_s))
+    losers = s.losers
+    s.run.update(StepOutcome(draft, s.proposal.drafter, n, accepted, token, s.proposal.seconds, verify_s,
+                             len(losers), s.alternative_rows, s.from_alternative))
+    for outcome in losers:
+        s.run.learn_alternative(outcome)
+    s.losers, s.alternative_rows, s.from_alternative = [], 0, False
     s.stats.record_step(n, accepted)
 
     new = draft.tokens[:accepted] + [token]

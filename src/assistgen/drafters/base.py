@@ -44,6 +44,7 @@ class Draft:
     probs: torch.Tensor | None = None  # [n, vocab] q for each token, or None
     forward_passes: int = 0  # drafter model forward passes spent on this proposal
     source: str = ""  # what produced it (e.g. "lookup:3", "assistant"): acceptance is tracked per source
+    others: list = field(default_factory=list)  # [Draft] other candidates the drafter found (no probabilities)
 
 
 class Drafter(Protocol):
@@ -85,6 +86,7 @@ class Proposal:
     seconds: float = 0.0  # that drafter's time
     total_seconds: float = 0.0  # the time of every drafter asked
     forward_passes: int = 0  # model forward passes of every drafter asked
+    empty: list[str] = field(default_factory=list)  # the drafters asked that proposed nothing
 
 
 def first_draft(drafters: list, ids: list[int], k_of: Callable[[Drafter], int], sampler: Sampler,
@@ -101,7 +103,9 @@ def first_draft(drafters: list, ids: list[int], k_of: Callable[[Drafter], int], 
         elapsed = clock() - start
         proposal.total_seconds += elapsed
         proposal.forward_passes += draft.forward_passes
-        if draft.tokens:
+        if not draft.tokens:
+            proposal.empty.append(drafter.name)
+        else:
             if len(draft.tokens) > k:
                 draft.tokens, draft.probs = draft.tokens[:k], None if draft.probs is None else draft.probs[:k]
             draft.source = draft.source or drafter.name

@@ -15,7 +15,10 @@ E(k) / (k*c + v[k]) tokens per unit of time relative to plain decoding (`expecte
 `lookahead` decides how many draft tokens each sequence of a step verifies, for one sequence or a
 batch alike: the step costs cost(N) for its N rows in all, and emits the sum of the sequences' E(k_i);
 near a sequence's end it verifies every usable draft token when that finishes it sooner
-(`finishing_pays`). A fractional k (a mean lookahead) is the mix of its two neighbouring integers
+(`finishing_pays`). Under passes that cost about the same for 1 and 17 rows, a step may also verify other
+drafts beside a sequence's own, each in a fork of its cache, and keep the one accepted furthest:
+`reach` gives P(at least i tokens of a draft accepted), and `alternative_gain` what another draft adds to the
+expected tokens of those already verified. A fractional k (a mean lookahead) is the mix of its two neighbouring integers
 with that mean: E and the cost are interpolated linearly between them. `MAX_K` is the most draft
 tokens any step verifies.
 """
@@ -127,3 +130,31 @@ def finishing_pays(rates: list[float], curve: list[float], k: int, gain: float, 
         return step_cost(curve, min(n, len(curve) - 1)) + (max(left / gain, min(left, 1.0)) if left > 1e-9 else 0.0)
 
     return time_to_finish(room) <= time_to_finish(k)
+
+
+def reach(rates: list[float], k: int) -> list[float]:
+    """P(at least i of a draft's first k tokens are accepted), for i = 1..k: the chain of `rates`."""
+    out, chain = [], 1.0
+    for i in range(k):
+        chain *= rates[min(i, len(rates) - 1)]
+        out.append(chain)
+    return out
+
+
+def alternative_gain(best: list[float], other: list[float], shared: int = 0) -> float:
+    """The expected tokens another draft adds to a step that already verifies drafts whose longest accepted run
+    reaches i tokens with probability best[i-1]: E[max] - E[best's], the two taken as independent past the `shared`
+    tokens the other draft begins with (its first `shared` tokens are those of a draft already verified, so they
+    add nothing). `other`: its own `reach`."""
+    return sum(p * (1.0 - (best[i] if i < len(best) else 0.0)) for i, p in enumerate(other) if i >= shared)
+
+
+def merged_reach(best: list[float], other: list[float], shared: int = 0) -> list[float]:
+    """`best` once `other` is verified too: at each length, reached by either (independent past `shared`)."""
+    size = max(len(best), len(other))
+    out = []
+    for i in range(size):
+        b = best[i] if i < len(best) else 0.0
+        o = other[i] if i < len(other) and i >= shared else 0.0
+        out.append(1.0 - (1.0 - b) * (1.0 - o))
+    return out

@@ -12,11 +12,22 @@ whatever the generation learns and answers the loop in `engine.py`:
                                 from which the loop's one optimizer (`gain.lookahead`) decides how many of
                                 its tokens to verify, for one sequence or a batch alike; None: verify the
                                 whole draft (a fixed rule, or a costly drafter already asked for its best k);
-    update(outcome)             what the step did (`StepOutcome`);
+    alternative_k(drafter, best, plan, room, chosen) -> int   how many tokens to ask a further drafter for, as an
+                                alternative draft verified beside the main one in a fork of the cache (0: none);
+    alternative_length(draft, drafter_name, best, shared, plan, chosen) -> int   how many of that draft (or of
+                                another candidate a drafter found, `Draft.others`) to verify;
+    update(outcome)             what the step did (`StepOutcome`; `learn_alternative` for an alternative that lost);
     report() -> dict            figures for the statistics;
 and the attributes `min_confidence` (a model drafter stops early when its top probability falls below
 it; 0 disables) and `costs` (the `costs.PassCosts` the step is priced with; None for a fixed rule). No
 schedule verifies more than `gain.MAX_K` draft tokens in a step.
+
+Alternatives: where a pass costs about the same for 1 and 17 rows (weights streamed from their file under
+`max_memory`, a GPU), the drafts of the drafters after the one that drafted (another source's guess at the same
+tokens) are verified beside it, each in a fork of the sequence's cache, and the loop keeps the draft accepted
+furthest. Only greedy generations do this (the kept draft is then the target's own tokens whichever wins), and
+only while the step's pricing (`StepPlan`: the expected tokens against the rows' cost) says the extra rows
+bring more tokens per unit of time than the step already does (`gain.alternative_gain`).
 
 `Constant` and `Heuristic` are the fixed rules of the reference design (`Constant` has no state and
 is its own run). `Adaptive` is the cost-aware default: it picks the k (0 included) that maximises
@@ -39,7 +50,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from assistgen.drafters.base import Draft, Drafter
 from assistgen.policy.costs import PassCosts, RowFit, at_least, pass_costs, plain_seconds, slower_by
-from assistgen.policy.gain import MAX_K, best_lookahead, lookahead
+from assistgen.policy.gain import MAX_K, alternative_gain, best_lookahead, lookahead, reach
 
 if TYPE_CHECKING:
     from assistgen.backends.base import LanguageModel
@@ -56,6 +67,35 @@ class StepOutcome:
     token: int  # the target's own token after the accepted ones
     draft_s: float = 0.0  # time the proposing drafter took
     verify_s: float = 0.0  # time of the target's forward pass
+    alternatives: int = 0  # other drafts verified beside it (each a sequence of its own in the pass)
+    alternative_rows: int = 0  # their draft tokens
+    from_alternative: bool = False  # this draft was an alternative, kept over the sequence's own
+
+
+@dataclass
+class StepPlan:
+    """What one step verifies so far, priced with `costs`: for deciding whether a further draft, in a fork of a
+    sequence's cache, pays for its rows. Costs in plain steps t(1); tokens: what the step is expected to emit."""
+
+    costs: PassCosts
+    sequences: int  # in the pass (prompt chunks counted as one)
+    rows: int  # one per sequence, plus the prompt rows
+    draft_rows: int  # draft tokens verified
+    tokens: float  # expected tokens the step emits
+
+    def cost(self, sequences: int = 0, draft_rows: int = 0) -> float:
+        return self.costs.batch(self.sequences + sequences, self.rows + sequences, self.draft_rows + draft_rows)
+
+    def rate_with(self, gain: float, draft_rows: int, extra_cost: float = 0.0) -> float:
+        """Expected tokens per plain step once a further sequence verifying `draft_rows` tokens is in the step."""
+        return (self.tokens + gain) / (self.cost(1, draft_rows) + extra_cost)
+
+    def rate(self) -> float:
+        return self.tokens / self.cost()
+
+    def add(self, gain: float, draft_rows: int) -> None:
+        self.sequences, self.rows, self.draft_rows, self.tokens = (
+            self.sequences + 1, self.rows + 1, self.draft_rows + draft_rows, self.tokens + gain)
 
 
 class ScheduleRun(Protocol):
@@ -68,9 +108,34 @@ class ScheduleRun(Protocol):
 
     def rates(self, draft: Draft, drafter_name: str = "") -> list[float] | None: ...
 
+    def alternative_k(self, drafter: Drafter, best: list[float], plan: StepPlan, room: int, chosen: int) -> int: ...
+
+    def alternative_length(self, draft: Draft, drafter_name: str, best: list[float], shared: int,
+                           plan: StepPlan, chosen: int) -> int: ...
+
+    def reach(self, draft: Draft, drafter_name: str, verified: int) -> list[float]: ...
+
     def update(self, outcome: StepOutcome) -> None: ...
 
+    def learn_alternative(self, outcome: StepOutcome) -> None: ...
+
     def report(self) -> dict: ...
+
+
+class NoAlternatives:
+    """A fixed rule verifies one draft per sequence: no alternatives."""
+
+    def alternative_k(self, drafter, best, plan, room, chosen) -> int:
+        return 0
+
+    def alternative_length(self, draft, drafter_name, best, shared, plan, chosen) -> int:
+        return 0
+
+    def reach(self, draft, drafter_name, verified) -> list[float]:
+        return []
+
+    def learn_alternative(self, outcome: StepOutcome) -> None:
+        pass
 
 
 class Schedule(Protocol):
@@ -103,7 +168,7 @@ def check_k(name: str, k: int, low: int) -> None:
 
 
 @dataclass(frozen=True)
-class Constant:
+class Constant(NoAlternatives):
     """Always ask for k tokens and verify all of them. Stateless: its own run."""
 
     k: int = 5
@@ -151,7 +216,7 @@ class Heuristic:
         return HeuristicRun(self)
 
 
-class HeuristicRun:
+class HeuristicRun(NoAlternatives):
     """One generation under `Heuristic`: the current k."""
 
     costs = None  # a fixed rule prices nothing
@@ -264,9 +329,15 @@ class Adaptive:
     costs: list[float] | None = None  # the former name of `curve`, still accepted
     # c assumed for a model drafter before it is measured (and throughout a sampled generation); None: `cost_hint`
     drafter_cost_prior: float | None = None
+    # Other drafters' drafts verified beside a sequence's own, each in a fork of its cache (greedy only), at most
+    # this many per step, and only where verifying max_k tokens costs at most `flat` plain steps (0: never).
+    alternatives: int = 3
+    flat: float = 2.0
 
     def __post_init__(self):
         check_k("max_k", self.max_k, 1)
+        if self.alternatives < 0 or self.flat < 0:
+            raise ValueError(f"need alternatives >= 0 and flat >= 0, got {self.alternatives}, {self.flat}")
         if not 0.0 < self.weight <= 1.0 or not 0.0 <= self.prior <= 1.0 or not 0.0 <= self.unseen_floor <= 1.0:
             raise ValueError(f"need 0 < weight <= 1 and 0 <= prior, unseen_floor <= 1, got {self.weight}, "
                              f"{self.prior}, {self.unseen_floor}")
@@ -303,7 +374,10 @@ class AdaptiveRun:
         self.length = prompt_length  # current sequence length
         self.end = None if budget is None else prompt_length + budget  # the length at which the generation stops
         self.probes = 0
-        self.last_drafter = ""
+        self.drafted_last: set[str] = set()  # the drafters that drafted in the last step (no catch-up since)
+        self.drafted_before: set[str] = set()  # and in the step before it
+        self.alternatives_verified = 0  # alternative drafts verified, and how many of them won their step
+        self.alternatives_won = 0
         self.extra_s = 0.0  # how much longer the target's passes take than when its costs were measured (EMA)
         self.timed: set[str] = set()  # drafters whose cost per token has been measured (not a prior any more)
         self._priced: PassCosts | None = None
@@ -395,7 +469,7 @@ class AdaptiveRun:
         step (its measured cost per token includes that); else c per token at the per-token cost of the longest
         step on the cost curve, v[-1] / len(v) (t(MAX_K+1) / (MAX_K+1) for a measured curve: a model catches up
         in one batched forward pass)."""
-        if name == self.last_drafter:
+        if name in self.drafted_last:
             return 0.0
         unseen = self.length - self.seen.get(name, 0)
         return c * unseen * self.curve[-1] / len(self.curve)
@@ -420,11 +494,65 @@ class AdaptiveRun:
         if self.measured is None:
             return
         self.length += outcome.accepted + 1
+        self.alternatives_verified += outcome.alternatives
+        self.alternatives_won += outcome.from_alternative
         if outcome.drafter and outcome.draft.tokens:
             self.learn(outcome)
         if self.measure:
             self.measure_step(outcome)
-        self.last_drafter = outcome.drafter
+        self.drafted_before = self.drafted_last
+        self.drafted_last = {outcome.drafter} if outcome.drafter and outcome.draft.tokens else set()
+
+    def learn_alternative(self, outcome: StepOutcome) -> None:
+        """A draft of the step just `update`d that was verified beside the kept one and lost: its acceptance is
+        learnt, and its drafter's time per token, as for a kept draft."""
+        if outcome.drafter and outcome.draft.tokens:
+            self.learn(outcome)
+            if self.measure and self.unit_s and outcome.drafter in self.drafted_before:
+                self.time_drafter(outcome.drafter, outcome.draft_s, len(outcome.draft.tokens))
+            self.drafted_last.add(outcome.drafter)
+
+    # --- alternatives: other drafts verified beside a sequence's own ---------------------------------------
+
+    def reach(self, draft: Draft, drafter_name: str, verified: int) -> list[float]:
+        """P(at least i of the draft's first `verified` tokens accepted), i = 1..verified, by the estimates."""
+        if not draft.tokens or not verified:
+            return []
+        return reach(self.estimate(draft.source or drafter_name, drafter_name).estimate(), verified)
+
+    def alternatives_on(self) -> bool:
+        s = self.settings
+        return self.measure and s.alternatives > 0 and self.measured is not None and self.curve[-1] <= s.flat
+
+    def alternative_k(self, drafter: Drafter, best: list[float], plan: StepPlan, room: int, chosen: int) -> int:
+        """How many tokens to ask `drafter` for as an alternative to the sequence's drafts (`chosen` alternatives
+        already), whose longest accepted run reaches i tokens with probability best[i-1]: the k that raises the
+        step's expected tokens per unit of time most, its drafting (k * c) counted (0: none does)."""
+        if not self.alternatives_on() or chosen >= self.settings.alternatives:
+            return 0
+        c = self.drafter_cost.get(drafter.name, 0.0)
+        if drafter.name not in self.timed:
+            c /= self.slowdown()
+        rates = self.estimate(drafter.name).estimate()
+        return self._best_alternative(rates, best, 0, min(room, self._k_max()), plan, c)
+
+    def alternative_length(self, draft: Draft, drafter_name: str, best: list[float], shared: int,
+                           plan: StepPlan, chosen: int) -> int:
+        """How many of an alternative draft (its first `shared` tokens those of a draft already verified) to verify
+        beside the others (`chosen` of them), now that it is drafted (0: none pays)."""
+        if not self.alternatives_on() or not draft.tokens or chosen >= self.settings.alternatives:
+            return 0
+        rates = self.estimate(draft.source or drafter_name, drafter_name).estimate()
+        return self._best_alternative(rates, best, shared, len(draft.tokens), plan, 0.0)
+
+    def _best_alternative(self, rates: list[float], best: list[float], shared: int, k_max: int, plan: StepPlan,
+                          c: float) -> int:
+        chosen, best_rate = 0, plan.rate()
+        for k in range(shared + 1, k_max + 1):
+            rate = plan.rate_with(alternative_gain(best, reach(rates, k), shared), k, k * c)
+            if rate > best_rate:
+                chosen, best_rate = k, rate
+        return chosen
 
     def learn(self, outcome: StepOutcome) -> None:
         """Record which of the step's draft tokens were accepted (and, for free, whether the next would have been)."""
@@ -445,23 +573,34 @@ class AdaptiveRun:
         """Follow the plain-step time and the drafter's cost per token from this step's timings (greedy only)."""
         w = self.settings.cost_weight
         if outcome.verify_s > 0:
-            unit = outcome.verify_s / self.curve[min(outcome.verified, len(self.curve) - 1)]
+            shape = (1 + outcome.alternatives, 1 + outcome.alternatives, outcome.verified + outcome.alternative_rows)
+            priced = self.measured.batch(*shape)
+            unit = outcome.verify_s / self.costs.batch(*shape)
             self.unit_s = unit if self.unit_s is None else self.unit_s + w * (unit - self.unit_s)
             t1 = plain_seconds(self.measured)
             if t1:  # (measured costs: follow how much longer a pass takes now than then)
-                extra = outcome.verify_s - t1 * self.measured.rows(outcome.verified + 1)
+                extra = outcome.verify_s - t1 * priced
                 self.extra_s += w * (extra - self.extra_s)
-                self.row_fit.observe(outcome.verified + 1, outcome.verify_s)
+                rows = outcome.verified + 1 + outcome.alternatives + outcome.alternative_rows
+                self.row_fit.observe(rows, outcome.verify_s)
                 self._priced = None
         # A drafter that drafted last step too has no catch-up cost in its time.
-        if outcome.drafter and outcome.draft.tokens and outcome.drafter == self.last_drafter and self.unit_s:
-            c = outcome.draft_s / len(outcome.draft.tokens) / self.unit_s
-            old = self.drafter_cost.get(outcome.drafter, c)
-            self.drafter_cost[outcome.drafter] = old + w * (c - old)
-            self.timed.add(outcome.drafter)
+        if outcome.drafter and outcome.draft.tokens and outcome.drafter in self.drafted_last and self.unit_s:
+            self.time_drafter(outcome.drafter, outcome.draft_s, len(outcome.draft.tokens))
+
+    def time_drafter(self, name: str, seconds: float, tokens: int) -> None:
+        """Follow a drafter's cost per token, in plain steps, from one proposal's time."""
+        w = self.settings.cost_weight
+        c = seconds / tokens / self.unit_s
+        old = self.drafter_cost.get(name, c)
+        self.drafter_cost[name] = old + w * (c - old)
+        self.timed.add(name)
 
     def report(self) -> dict:
         out = {"schedule": "adaptive", "adaptive_probes": self.probes}
+        if self.alternatives_verified:
+            out["alternatives_verified"] = self.alternatives_verified
+            out["alternatives_won"] = self.alternatives_won
         out["drafter_cost_per_token"] = {k: round(v, 3) for k, v in self.drafter_cost.items()}
         out["acceptance_estimate"] = {
             src: [round(r, 2) for r in a.estimate()[:4]] for src, a in sorted(self.acceptance.items())
@@ -491,11 +630,15 @@ def cost_hint(drafter: Drafter, target: LanguageModel) -> float:
 
 
 def parse_schedule(text: str) -> Schedule:
-    """'adaptive', 'adaptive:MAX_K', 'constant:K', 'heuristic', 'confidence:K:T' (CLI form)."""
+    """'adaptive', 'adaptive:MAX_K', 'adaptive:MAX_K:ALTERNATIVES', 'constant:K', 'heuristic', 'confidence:K:T'
+    (CLI form)."""
     name, *args = text.split(":")
     try:
         if name == "adaptive":
-            return Adaptive(max_k=int(args[0])) if args else Adaptive()
+            settings = {"max_k": int(args[0])} if args and args[0] else {}
+            if len(args) > 1:
+                settings["alternatives"] = int(args[1])
+            return Adaptive(**settings)
         if name == "constant":
             return Constant(k=int(args[0]) if args else 5)
         if name == "heuristic":
@@ -504,4 +647,5 @@ def parse_schedule(text: str) -> Schedule:
             return confidence(int(args[0]) if args else 10, float(args[1]) if len(args) > 1 else 0.4)
     except (ValueError, IndexError) as e:
         raise ValueError(f"bad schedule {text!r}: {e}") from e
-    raise ValueError(f"unknown schedule {text!r}; use adaptive[:MAX_K], constant:K, heuristic or confidence:K:T")
+    raise ValueError(f"unknown schedule {text!r}; use adaptive[:MAX_K[:ALTERNATIVES]], constant:K, heuristic or "
+                     "confidence:K:T")

@@ -1,0 +1,126 @@
+"""Alternatives: other drafters' drafts verified beside a sequence's own, in forks of its cache, in the same pass.
+
+Where a pass costs about the same for 1 and 17 rows (weights streamed under `max_memory`; a GPU), a greedy
+generation verifies the drafts of its other drafters too and keeps the one accepted furthest. The output must stay
+the target's own greedy tokens, the alternatives must really be verified (and win steps), and without a flat curve
+nothing changes.
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import encode, hf_greedy, tiny_llama
+
+from assistgen import Adaptive, generate
+from assistgen.policy.costs import PassCosts
+from assistgen.policy.gain import alternative_gain, merged_reach, reach
+from assistgen.policy.schedules import StepPlan
+
+FLAT = Adaptive(curve=[1.0 + 0.02 * k for k in range(17)], drafter_cost_prior=0.01)  # streamed weights
+STEEP = Adaptive(curve=[1.0 + 0.6 * k for k in range(17)], drafter_cost_prior=0.01)  # a CPU without a cap
+PROMPT = "the cat sat on the mat. the dog sat on the rug. the cat sat on the"
+N = 40
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(seed=0)
+
+
+def test_the_gain_of_another_draft():
+    best = reach([0.5], 4)  # 0.5, 0.25, 0.125, 0.0625
+    assert best == [0.5, 0.25, 0.125, 0.0625]
+    other = reach([1.0], 2)
+    # The other draft is sure of 2 tokens: it adds where the first one falls short.
+    assert alternative_gain(best, other) == pytest.approx((1 - 0.5) + (1 - 0.25))
+    # Beginning with the first draft's first token, it adds nothing there.
+    assert alternative_gain(best, other, shared=1) == pytest.approx(1 - 0.25)
+    assert merged_reach(best, other) == pytest.approx([1.0, 1.0, 0.125, 0.0625])
+    assert alternative_gain(best, []) == 0.0
+
+
+def test_a_further_sequence_pays_only_where_rows_are_cheap():
+    flat = StepPlan(PassCosts.from_curve([1.0 + 0.02 * k for k in range(17)]), 1, 1, 4, 2.0)
+    steep = StepPlan(PassCosts.from_curve([1.0 + 0.6 * k for k in range(17)]), 1, 1, 4, 2.0)
+    gain = alternative_gain(reach([0.5], 4), reach([0.8], 8))
+    assert flat.rate_with(gain, 8) > flat.rate()
+    assert steep.rate_with(gain, 8) < steep.rate()
+
+
+def run(target, drafter: str, schedule):
+    ids = encode(PROMPT)
+    kwargs = {"self": {"assistant": target}, "other": {"assistant": tiny_llama(seed=1)}}[drafter]
+    return ids, generate(target, ids, max_new_tokens=N, eos_token_ids=(), schedule=schedule, lookup=True, **kwargs)
+
+
+@pytest.mark.parametrize("drafter", ["self", "other"])
+def test_alternatives_keep_the_target_greedy_output(target, drafter):
+    """Prompt lookup drafts first; the model's draft is verified beside it, in a fork of the cache. With the
+    target drafting for itself the model's draft is always right, so it wins wherever lookup's is rejected early."""
+    ids, out = run(target, drafter, FLAT)
+    assert out.token_ids == hf_greedy(target, ids, N)
+    notes = out.stats.notes
+    assert notes.get("alternatives_verified", 0) > 0, notes
+    if drafter == "self":
+        assert notes.get("alternatives_won", 0) > 0, notes
+
+
+def test_no_alternatives_where_rows_cost(target):
+    ids, out = run(target, "self", STEEP)
+    assert out.token_ids == hf_greedy(target, ids, N)
+    assert "alternatives_verified" not in out.stats.notes
+
+
+def test_alternatives_switched_off(target):
+    settings = Adaptive(curve=FLAT.curve, drafter_cost_prior=0.01, alternatives=0)
+    ids, out = run(target, "self", settings)
+    assert out.token_ids == hf_greedy(target, ids, N)
+    assert "alternatives_verified" not in out.stats.notes
+
+
+def test_sampling_verifies_one_draft(target):
+    ids = encode(PROMPT)
+    out = generate(target, ids, max_new_tokens=N, eos_token_ids=(), schedule=FLAT, lookup=True, assistant=target,
+                   temperature=0.8, seed=3)
+    assert "alternatives_verified" not in out.stats.notes
+
+
+def test_keeping_the_furthest_takes_fewer_steps(target):
+    _, kept = run(target, "self", FLAT)
+    _, alone = run(target, "self", Adaptive(curve=FLAT.curve, drafter_cost_prior=0.01, alternatives=0))
+    assert kept.token_ids == alone.token_ids
+    assert kept.stats.steps < alone.stats.steps
+
+
+def test_alternatives_on_llama_cpp_in_forked_sequences():
+    """The embedded SmolLM2-135M on llama.cpp: the forks are sequences of its context sharing the prompt's cells,
+    verified in one llama_decode beside the sequence's own draft; the output is plain decoding's."""
+    from assistgen import load_model
+
+    smol = load_model("smollm2-135m", backend="llama.cpp", context=1024)
+    smol.costs = PassCosts.from_curve(FLAT.curve)  # as measured with its weights streamed from the file
+    prompt = "def area(width, height):\n    return width * height\n\n\ndef volume(width, height, depth):\n"
+    plain = generate(smol, prompt, max_new_tokens=48)
+    out = generate(smol, prompt, max_new_tokens=48, lookup=True, assistant=smol,
+                   schedule=Adaptive(drafter_cost_prior=0.01))
+    assert out.token_ids == plain.token_ids
+    assert out.stats.notes.get("alternatives_verified", 0) > 0, out.stats.notes
+    assert out.stats.notes.get("alternatives_won", 0) > 0, out.stats.notes
+
+
+def test_lookup_offers_the_continuations_of_other_matches():
+    from assistgen.drafters.lookup import lookup_continuations
+
+    ids = [7, 1, 2, 9, 1, 3, 9, 1, 2, 5, 1]  # "1" was followed by 2 5 .., 3 9 .., 2 9 ..
+    found = lookup_continuations(ids, 3, 3, 1, 4)
+    assert found == [([2, 5, 1], 1), ([3, 9, 1], 1), ([2, 9, 1], 1)]
+    assert lookup_continuations(ids, 3, 3, 1, 1) == found[:1]
+    assert lookup_continuations([1, 2, 1, 2, 1], 2, 3, 1, 4) == [([2, 1], 3)]  # the same continuation: once
+
+
+def test_lookup_alone_verifies_its_other_matches(target):
+    """One drafter: its other matches' continuations are the alternatives."""
+    ids = encode(PROMPT)
+    out = generate(target, ids, max_new_tokens=N, eos_token_ids=(), schedule=FLAT, lookup=True)
+    assert out.token_ids == hf_greedy(target, ids, N)
+    assert out.stats.notes.get("alternatives_verified", 0) > 0, out.stats.notes
