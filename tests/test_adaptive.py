@@ -491,3 +491,28 @@ def test_passes_that_also_cost_more_per_row_than_measured_are_not_priced_as_free
                                min(accepted, rows - 1), 5, draft_s=1e-4, verify_s=1.0 + 0.03 * (rows - 1)))
     assert run.curve[15] > 1.3  # what the steps showed, not the 1.06 of a fixed extra cost
     assert verified(run, Draft([4] * 16, source="lookup"), "lookup") <= 2
+
+
+def test_under_a_budget_calibration_times_fewer_passes():
+    """Each pass of an offloaded model streams its weights (seconds on a large one): calibration then times the
+    row counts of SPARSE_ROWS once each after a warm-up (and the curve is linear between them), not every count
+    1..17 three times. The curve still has every entry."""
+    from assistgen.policy import costs as costs_module
+
+    def passes(max_memory):
+        model = tiny_llama(seed=0)
+        model.max_memory = max_memory
+        timed = []  # every timed pass reads the clock twice
+        real = model.clock
+
+        def counting():
+            timed.append(1)
+            return real()
+
+        model.clock = counting
+        record = costs_module.measure_costs(model)
+        assert len(record["verification_costs"]) == MAX_K + 1
+        return len(timed) // 2
+
+    assert passes(10**9) < passes(None) / 2
+    assert costs_module.interpolated([1.0, 2.0, 4.0], (1, 2, 4)) == [1.0, 2.0, 3.0, 4.0]

@@ -8,7 +8,8 @@ backend seam: each sequence attends only to its own positions). It returns one `
 `step` over a batch of one. Every way of generating in assistgen (plain decoding, every drafter, the
 batch API, the CLI, the server's `serving.batching.BatchEngine`, the benchmarks) goes through `step`;
 plain decoding is the loop with a drafter that proposes nothing. The target's cache always holds the
-sequence minus its last token, so one verification feeds [last token, d_1 .. d_k] and reads k+1
+sequence minus its last token (and after a kept alternative, minus that draft's tokens too: `unfed`), so one
+verification feeds [last token, d_1 .. d_k] and reads k+1
 next-token distributions. Greedy output equals the target's own greedy decoding; sampled output
 follows the target's distribution (see `sampling.py`), each generation with its own sampler. How many
 of each draft to verify is decided for the whole step by the one optimizer, `gain.lookahead`, from
@@ -23,7 +24,8 @@ log-probabilities, read from the same rows (`logprobs.py`); with `config.prompt_
 every prompt row and the first chunk carries the prompt's. Where the schedule says a pass costs about the
 same for more rows (`schedules.StepPlan`), a greedy generation also verifies other drafters' drafts in forks of
 its cache, in the same pass (`add_alternatives`), and keeps the one accepted furthest: its cache, its tokens
-(`keep_furthest`); the tokens emitted are still the target's own greedy ones.
+(`keep_furthest`); the tokens emitted are still the target's own greedy ones, and the generation's cache is still
+filled in order (the kept draft's tokens are fed again in the next pass).
 """
 
 from __future__ import annotations
@@ -93,7 +95,13 @@ class GenerationState:
 
     @property
     def prefilling(self) -> bool:
-        return len(self.cache) < len(self.ids) - 1
+        return self.stats.steps == 0 and len(self.cache) < len(self.ids) - 1
+
+    @property
+    def unfed(self) -> list[int]:
+        """The tokens a decoding step feeds before its draft: the last one, and those of an alternative kept last step
+        (`keep_furthest`), which the cache has not read."""
+        return self.ids[len(self.cache):]
 
     @property
     def room(self) -> int:
@@ -149,16 +157,21 @@ def step(states: list[GenerationState], prefill_budget: int | None = None) -> li
             constrain(s)
     add_alternatives(decoding, sum(len(r) for r in prefill.values()), costs)
     fed = decoding + [s for s in states if prefill.get(id(s))]
-    feeds = [(s.cache, [s.ids[-1]] + s.proposal.draft.tokens[: s.verified], s.verified + 1) for s in decoding]
+    # A decoding generation's rows all keep their logits (so that every row is verified alike: a backend may compute
+    # rows without logits another way, `LlamaModel.feed_together`); its last verified + 1 are read.
+    feeds = [(s.cache, ids, len(ids)) for s in decoding for ids in [s.unfed + s.proposal.draft.tokens[: s.verified]]]
     feeds += [(s.cache, prefill[id(s)], len(prefill[id(s)]) if s.config.prompt_logprobs is not None else 1)
               for s in fed[len(decoding):]]
-    others = [(a.cache, [s.ids[-1]] + a.proposal.draft.tokens, len(a.proposal.draft.tokens) + 1)
-              for s in decoding for a in s.alternatives]
+    others = [(a.cache, ids, len(ids)) for s in decoding for a in s.alternatives
+              for ids in [s.unfed + a.proposal.draft.tokens]]
     t = clock()
     logits = target.feed_together(feeds + others)  # per generation [keep, vocab], then per alternative
     elapsed = clock() - t
     logits, other_logits = logits[: len(feeds)], iter(logits[len(feeds):])
     rows_in_all = sum(len(ids) for _, ids, _ in feeds + others)
+    mine = {id(s): len(ids) for (_, ids, _), s in zip(feeds, decoding, strict=False)}  # its rows, alternatives too
+    for s, (_, ids, _) in zip([s for s in decoding for _ in s.alternatives], others, strict=True):
+        mine[id(s)] += len(ids)
     if len(fed) > 1 and costs is None:
         costs = pass_costs(target)  # only fixed rules this step: the target's own costs share out its time
     chunks: dict[int, Chunk] = {}
@@ -169,9 +182,11 @@ def step(states: list[GenerationState], prefill_budget: int | None = None) -> li
             if s.config.prompt_logprobs is not None:
                 record_prompt_logprobs(s, rows, len(prefill[id(s)]))
         else:
-            share = elapsed if len(fed) == 1 else elapsed * time_share(s, len(fed), rows_in_all, costs)
+            share = elapsed if len(fed) == 1 else elapsed * time_share(mine[id(s)], len(fed), rows_in_all, costs)
+            rows = rows[len(rows) - s.verified - 1:]  # [verified+1, vocab]
             if s.alternatives:
-                rows = keep_furthest(s, rows, [next(other_logits) for _ in s.alternatives])
+                rows = keep_furthest(s, rows, [r[len(r) - len(a.proposal.draft.tokens) - 1:]
+                                               for a, r in zip(s.alternatives, other_logits, strict=False)])
             chunks[id(s)] = accept(s, rows, share)
     return [chunks.get(id(s)) for s in states]
 
@@ -314,26 +329,31 @@ def shared_length(a: list[int], b: list[int]) -> int:
 def keep_furthest(s: GenerationState, logits, others: list) -> object:
     """Of the generation's draft and its alternatives (verified in the same pass: `logits` [verified+1, vocab] and
     each alternative's), keep the one whose draft the target accepts furthest (ties: the generation's own): its
-    cache, proposal and logits become the generation's; each other one's acceptance is learnt by the schedule
-    after the step (`StepOutcome`s in `s.losers`). Returns the kept logits."""
-    candidates = [(s.proposal, s.cache, s.verified, logits)]
-    candidates += [(a.proposal, a.cache, len(a.proposal.draft.tokens), rows)
-                   for a, rows in zip(s.alternatives, others, strict=True)]
-    judged = [verify_greedy(rows, p.draft.tokens[:n]) for p, _, n, rows in candidates]
+    proposal and logits become the generation's; each other one's acceptance is learnt by the schedule after the
+    step (`StepOutcome`s in `s.losers`). Returns the kept logits. The generation keeps its own cache, and the forks
+    are dropped: an alternative's accepted tokens are fed again in the next pass (`unfed`), so that the cache holds
+    every token in the order it was written, as when fed alone (llama.cpp's attention sums over its cells in their
+    order, and a fork's cells lie after the sequence's own draft cells, which are given back)."""
+    candidates = [(s.proposal, s.verified, logits)]
+    candidates += [(a.proposal, len(a.proposal.draft.tokens), rows) for a, rows in zip(s.alternatives, others,
+                                                                                        strict=True)]
+    judged = [verify_greedy(rows, p.draft.tokens[:n]) for p, n, rows in candidates]
     kept = max(range(len(candidates)), key=lambda i: (judged[i][0], -i))
     s.losers = [StepOutcome(p.draft, p.drafter, n, judged[i][0], judged[i][1], p.seconds)
-                for i, (p, _, n, _) in enumerate(candidates) if i != kept]
+                for i, (p, n, _) in enumerate(candidates) if i != kept]
     s.from_alternative = kept > 0
-    s.proposal, s.cache, s.verified, logits = candidates[kept]
-    s.alternative_rows = sum(n for i, (_, _, n, _) in enumerate(candidates) if i != kept)
+    if kept:  # the cache keeps what it shares with the kept tokens
+        s.cache.crop(len(s.ids) + shared_length(s.proposal.draft.tokens[: s.verified],
+                                                candidates[kept][0].draft.tokens[: judged[kept][0]]))
+    s.proposal, s.verified, logits = candidates[kept]
+    s.alternative_rows = sum(n for i, (_, n, _) in enumerate(candidates) if i != kept)
     s.alternatives = []
     return logits
 
 
-def time_share(s: GenerationState, sequences: int, rows: int, costs: PassCosts) -> float:
-    """The share of a batched step's time (`sequences` generations, `rows` rows in all) that the generation's rows
-    would have cost alone (for its schedule, which learns the time of a plain step from its steps)."""
-    mine = s.verified + 1 + sum(len(a.proposal.draft.tokens) + 1 for a in s.alternatives)
+def time_share(mine: int, sequences: int, rows: int, costs: PassCosts) -> float:
+    """The share of a batched step's time (`sequences` generations, `rows` rows in all) that a generation's `mine`
+    rows would have cost alone (for its schedule, which learns the time of a plain step from its steps)."""
     return min(1.0, costs.rows(mine) / costs.batch(sequences, rows))
 
 
@@ -344,7 +364,7 @@ def accept(s: GenerationState, logits, verify_s: float) -> Chunk:
         logits = s.constraint.mask(logits)  # [n+1, vocab]
     accepted, token, p = verify(logits, draft, n, s.sampler, s.forbidden)
     s.stats.verify_s += verify_s
-    s.cache.crop(len(s.ids) + accepted)  # roll back the rejected draft positions
+    s.cache.crop(min(len(s.cache), len(s.ids) + accepted))  # roll back the rejected draft positions
     s.drafter.observe(accepted, p)
     losers = s.losers
     s.run.update(StepOutcome(draft, s.proposal.drafter, n, accepted, token, s.proposal.seconds, verify_s,
