@@ -170,8 +170,8 @@ def step(states: list[GenerationState], prefill_budget: int | None = None) -> li
     logits, other_logits = logits[: len(feeds)], iter(logits[len(feeds):])
     rows_in_all = sum(len(ids) for _, ids, _ in feeds + others)
     mine = {id(s): len(ids) for (_, ids, _), s in zip(feeds, decoding, strict=False)}  # its rows, alternatives too
-    for s, (_, ids, _) in zip([s for s in decoding for _ in s.alternatives], others, strict=True):
-        mine[id(s)] += len(ids)
+    for owner, (_, ids, _) in zip([s for s in decoding for _ in s.alternatives], others, strict=True):
+        mine[id(owner)] += len(ids)
     if len(fed) > 1 and costs is None:
         costs = pass_costs(target)  # only fixed rules this step: the target's own costs share out its time
     chunks: dict[int, Chunk] = {}

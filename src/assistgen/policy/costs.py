@@ -183,7 +183,8 @@ def measure_costs(model) -> dict:
 def interpolated(times: list[float], rows: tuple[int, ...]) -> list[float]:
     """t(n) for n = 1..rows[-1] from the times at `rows` (ascending, from 1), linear between them."""
     out = []
-    for (n0, t0), (n1, t1) in zip(zip(rows, times), zip(rows[1:], times[1:]), strict=False):
+    for (n0, t0), (n1, t1) in zip(zip(rows, times, strict=True), zip(rows[1:], times[1:], strict=True),
+                                  strict=False):
         out += [t0 + (t1 - t0) * (n - n0) / (n1 - n0) for n in range(n0, n1)]
     return out + [times[-1]]
 
