@@ -309,8 +309,10 @@ class Adaptive:
     `probe_share` of the time, so drafting comes back when the text becomes predictable. A costly drafter
     must first read the tokens it has not seen (at its first use, the whole prompt): it is switched on only
     when drafting at the expected gain for the rest of the generation saves more than that catch-up costs,
-    priced from the measured cost curve (`AdaptiveRun.catch_up_pays`). Settings only: each
-    generation's estimates live in the `AdaptiveRun` that `prepare` returns.
+    priced from the measured cost curve (`AdaptiveRun.catch_up_pays`). Where verifying max_k tokens costs at
+    most `flat` plain steps, a greedy generation also verifies up to `alternatives` other drafts beside its own
+    (`alternative_k`, `alternative_length`). Settings only: each generation's estimates live in the `AdaptiveRun`
+    that `prepare` returns.
     """
 
     max_k: int = MAX_K
