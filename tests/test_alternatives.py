@@ -107,20 +107,3 @@ def test_alternatives_on_llama_cpp_in_forked_sequences():
     assert out.stats.notes.get("alternatives_verified", 0) > 0, out.stats.notes
     assert out.stats.notes.get("alternatives_won", 0) > 0, out.stats.notes
 
-
-def test_lookup_offers_the_continuations_of_other_matches():
-    from assistgen.drafters.lookup import lookup_continuations
-
-    ids = [7, 1, 2, 9, 1, 3, 9, 1, 2, 5, 1]  # "1" was followed by 2 5 .., 3 9 .., 2 9 ..
-    found = lookup_continuations(ids, 3, 3, 1, 4)
-    assert found == [([2, 5, 1], 1), ([3, 9, 1], 1), ([2, 9, 1], 1)]
-    assert lookup_continuations(ids, 3, 3, 1, 1) == found[:1]
-    assert lookup_continuations([1, 2, 1, 2, 1], 2, 3, 1, 4) == [([2, 1], 3)]  # the same continuation: once
-
-
-def test_lookup_alone_verifies_its_other_matches(target):
-    """One drafter: its other matches' continuations are the alternatives."""
-    ids = encode(PROMPT)
-    out = generate(target, ids, max_new_tokens=N, eos_token_ids=(), schedule=FLAT, lookup=True)
-    assert out.token_ids == hf_greedy(target, ids, N)
-    assert out.stats.notes.get("alternatives_verified", 0) > 0, out.stats.notes

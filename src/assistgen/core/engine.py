@@ -253,9 +253,8 @@ def constrain(s: GenerationState) -> None:
 
 
 def add_alternatives(decoding: list[GenerationState], prefill_rows: int, costs: PassCosts | None) -> None:
-    """Find alternative drafts (the other candidates the drafter found, then the drafts of the drafters after it and
-    of those not asked), and fork each generation's cache for those worth verifying in this pass: as many tokens as
-    the schedule says raise the step's
+    """Ask the drafters after the one that drafted (and those not asked) for alternative drafts, and fork each
+    generation's cache for those worth verifying in this pass: as many tokens as the schedule says raise the step's
     expected tokens per unit of time (`ScheduleRun.alternative_k` before drafting, `alternative_length` after), at
     most `Adaptive.alternatives` of them. Greedy generations without a grammar only; none when a fork cannot be made
     (the backend's sequences are all in use)."""
@@ -274,49 +273,35 @@ def add_alternatives(decoding: list[GenerationState], prefill_rows: int, costs: 
 
 
 def find_alternatives(s: GenerationState, plan: StepPlan) -> None:
-    """`add_alternatives` for one generation: first the other candidates its drafter found (`Draft.others`), then
-    each later drafter's draft and its others, while the schedule says they pay."""
+    """`add_alternatives` for one generation."""
     best = s.run.reach(s.proposal.draft, s.proposal.drafter, s.verified)
     verified = [s.proposal.draft.tokens[: s.verified]]
-    candidates = [(d, s.proposal.drafter, 0.0) for d in s.proposal.draft.others]
-    later = iter([d for d in s.drafters if d.name != s.proposal.drafter and d.name not in s.proposal.empty])
-    while True:
-        if not candidates:
-            drafter = next(later, None)
-            if drafter is None:
-                return
-            k = s.run.alternative_k(drafter, best, plan, s.room, len(s.alternatives))
-            if k > 0:
-                candidates = ask_alternative(s, drafter, k)
+    for drafter in s.drafters:
+        if drafter.name == s.proposal.drafter or drafter.name in s.proposal.empty:
             continue
-        draft, name, seconds = candidates.pop(0)
+        k = s.run.alternative_k(drafter, best, plan, s.room, len(s.alternatives))
+        if k <= 0:
+            continue
+        start = s.cache.clock()
+        draft = drafter.propose(s.ids, k, s.sampler, s.run.min_confidence)
+        seconds = s.cache.clock() - start
+        s.stats.draft_forward_passes += draft.forward_passes
+        s.stats.draft_s += seconds
         shared = max(shared_length(tokens, draft.tokens) for tokens in verified)
-        n = s.run.alternative_length(draft, name, best, shared, plan, len(s.alternatives))
+        n = s.run.alternative_length(draft, drafter.name, best, shared, plan, len(s.alternatives))
         if n <= 0:
             continue
         try:
             fork = s.cache.fork()
         except ValueError:  # (no sequence left for it on the backend: verify without it)
             return
-        draft = Draft(draft.tokens[:n], None, draft.forward_passes, draft.source or name)
-        s.alternatives.append(Alternative(Proposal(draft, name, seconds, seconds, draft.forward_passes), fork))
+        draft = Draft(draft.tokens[:n], None, draft.forward_passes, draft.source or drafter.name)
+        s.alternatives.append(Alternative(Proposal(draft, drafter.name, seconds, seconds, draft.forward_passes),
+                                          fork))
         verified.append(draft.tokens)
-        merged = merged_reach(best, s.run.reach(draft, name, n), shared)
+        merged = merged_reach(best, s.run.reach(draft, drafter.name, n), shared)
         plan.add(sum(merged) - sum(best), n)
         best = merged
-
-
-def ask_alternative(s: GenerationState, drafter, k: int) -> list[tuple[Draft, str, float]]:
-    """A later drafter's draft of k tokens (timed, counted in the statistics) and its others, as candidates."""
-    start = s.cache.clock()
-    draft = drafter.propose(s.ids, k, s.sampler, s.run.min_confidence)
-    seconds = s.cache.clock() - start
-    s.stats.draft_forward_passes += draft.forward_passes
-    s.stats.draft_s += seconds
-    if not draft.tokens:
-        return []
-    draft.source = draft.source or drafter.name
-    return [(draft, drafter.name, seconds)] + [(d, drafter.name, 0.0) for d in draft.others]
 
 
 def shared_length(a: list[int], b: list[int]) -> int:

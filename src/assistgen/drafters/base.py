@@ -44,7 +44,6 @@ class Draft:
     probs: torch.Tensor | None = None  # [n, vocab] q for each token, or None
     forward_passes: int = 0  # drafter model forward passes spent on this proposal
     source: str = ""  # what produced it (e.g. "lookup:3", "assistant"): acceptance is tracked per source
-    others: list = field(default_factory=list)  # [Draft] other candidates the drafter found (no probabilities)
 
 
 class Drafter(Protocol):

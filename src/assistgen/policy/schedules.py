@@ -14,8 +14,8 @@ whatever the generation learns and answers the loop in `engine.py`:
                                 whole draft (a fixed rule, or a costly drafter already asked for its best k);
     alternative_k(drafter, best, plan, room, chosen) -> int   how many tokens to ask a further drafter for, as an
                                 alternative draft verified beside the main one in a fork of the cache (0: none);
-    alternative_length(draft, drafter_name, best, shared, plan, chosen) -> int   how many of that draft (or of
-                                another candidate a drafter found, `Draft.others`) to verify;
+    alternative_length(draft, drafter_name, best, shared, plan, chosen) -> int   how many of that draft to
+                                verify;
     update(outcome)             what the step did (`StepOutcome`; `learn_alternative` for an alternative that lost);
     report() -> dict            figures for the statistics;
 and the attributes `min_confidence` (a model drafter stops early when its top probability falls below
