@@ -24,7 +24,9 @@ N = 40
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_llama(seed=0)
+    model = tiny_llama(seed=0)
+    model.max_memory = 10**9  # as if offloaded: the only targets alternatives are for
+    return model
 
 
 def test_the_gain_of_another_draft():
@@ -71,6 +73,14 @@ def test_no_alternatives_where_rows_cost(target):
     assert "alternatives_verified" not in out.stats.notes
 
 
+def test_no_alternatives_for_a_target_in_memory():
+    model = tiny_llama(seed=0)  # no max_memory: a flat curve is no sign of free rows (forks cost copies)
+    ids = encode(PROMPT)
+    out = generate(model, ids, max_new_tokens=N, eos_token_ids=(), schedule=FLAT, lookup=True, assistant=model)
+    assert out.token_ids == hf_greedy(model, ids, N)
+    assert "alternatives_verified" not in out.stats.notes
+
+
 def test_alternatives_switched_off(target):
     settings = Adaptive(curve=FLAT.curve, drafter_cost_prior=0.01, alternatives=0)
     ids, out = run(target, "self", settings)
@@ -97,7 +107,7 @@ def test_alternatives_on_llama_cpp_in_forked_sequences():
     verified in one llama_decode beside the sequence's own draft; the output is plain decoding's."""
     from assistgen import load_model
 
-    smol = load_model("smollm2-135m", backend="llama.cpp", context=1024)
+    smol = load_model("smollm2-135m", backend="llama.cpp", context=1024, max_memory="1GB")
     smol.costs = PassCosts.from_curve(FLAT.curve)  # as measured with its weights streamed from the file
     prompt = "def area(width, height):\n    return width * height\n\n\ndef volume(width, height, depth):\n"
     plain = generate(smol, prompt, max_new_tokens=48)

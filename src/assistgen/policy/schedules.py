@@ -22,8 +22,8 @@ and the attributes `min_confidence` (a model drafter stops early when its top pr
 it; 0 disables) and `costs` (the `costs.PassCosts` the step is priced with; None for a fixed rule). No
 schedule verifies more than `gain.MAX_K` draft tokens in a step.
 
-Alternatives: where a pass costs about the same for 1 and 17 rows (weights streamed from their file under
-`max_memory`, a GPU), the drafts of the drafters after the one that drafted (another source's guess at the same
+Alternatives: where a pass costs about the same for 1 and 17 rows because the target's weights stream from their
+file (`max_memory`), the drafts of the drafters after the one that drafted (another source's guess at the same
 tokens) are verified beside it, each in a fork of the sequence's cache, and the loop keeps the draft accepted
 furthest. Only greedy generations do this (the kept draft is then the target's own tokens whichever wins), and
 only while the step's pricing (`StepPlan`: the expected tokens against the rows' cost) says the extra rows
@@ -309,8 +309,8 @@ class Adaptive:
     `probe_share` of the time, so drafting comes back when the text becomes predictable. A costly drafter
     must first read the tokens it has not seen (at its first use, the whole prompt): it is switched on only
     when drafting at the expected gain for the rest of the generation saves more than that catch-up costs,
-    priced from the measured cost curve (`AdaptiveRun.catch_up_pays`). Where verifying max_k tokens costs at
-    most `flat` plain steps, a greedy generation also verifies up to `alternatives` other drafts beside its own
+    priced from the measured cost curve (`AdaptiveRun.catch_up_pays`). For an offloaded target where verifying
+    max_k tokens costs at most `flat` plain steps, a greedy generation also verifies up to `alternatives` other drafts beside its own
     (`alternative_k`, `alternative_length`). Settings only: each generation's estimates live in the `AdaptiveRun`
     that `prepare` returns.
     """
@@ -332,7 +332,9 @@ class Adaptive:
     # c assumed for a model drafter before it is measured (and throughout a sampled generation); None: `cost_hint`
     drafter_cost_prior: float | None = None
     # Other drafters' drafts verified beside a sequence's own, each in a fork of its cache (greedy only), at most
-    # this many per step, and only where verifying max_k tokens costs at most `flat` plain steps (0: never).
+    # this many per step (0: never), for a target whose weights are offloaded (`max_memory`), and only where
+    # verifying max_k tokens costs at most `flat` plain steps. (Elsewhere a flat curve is no sign of free rows: the
+    # torch backend's forks copy the cache, which the step's price leaves out.)
     alternatives: int = 3
     flat: float = 2.0
 
@@ -385,6 +387,7 @@ class AdaptiveRun:
         self._priced: PassCosts | None = None
         self.row_fit = RowFit()  # the passes' time against their rows, as they run (when measuring)
         self.measured: PassCosts | None = None  # None for plain decoding: nothing to choose
+        self.offloaded = bool(getattr(target, "max_memory", None))  # its weights stream from their file
         if not drafters:
             return
         if settings.curve is not None:
@@ -523,8 +526,11 @@ class AdaptiveRun:
         return reach(self.estimate(draft.source or drafter_name, drafter_name).estimate(), verified)
 
     def alternatives_on(self) -> bool:
+        """Greedy, a target whose weights are offloaded (`max_memory`: where they were measured to pay), and a step of
+        max_k tokens priced at most `flat` plain steps."""
         s = self.settings
-        return self.measure and s.alternatives > 0 and self.measured is not None and self.curve[-1] <= s.flat
+        return (self.measure and self.offloaded and s.alternatives > 0 and self.measured is not None
+                and self.curve[-1] <= s.flat)
 
     def alternative_k(self, drafter: Drafter, best: list[float], plan: StepPlan, room: int, chosen: int) -> int:
         """How many tokens to ask `drafter` for as an alternative to the sequence's drafts (`chosen` alternatives
