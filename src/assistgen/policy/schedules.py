@@ -311,8 +311,8 @@ class Adaptive:
     when drafting at the expected gain for the rest of the generation saves more than that catch-up costs,
     priced from the measured cost curve (`AdaptiveRun.catch_up_pays`). For an offloaded target where verifying
     max_k tokens costs at most `flat` plain steps, a greedy generation also verifies up to `alternatives` other
-    drafts beside its own (`alternative_k`, `alternative_length`). Settings only: each generation's estimates live in the `AdaptiveRun`
-    that `prepare` returns.
+    drafts beside its own (`alternative_k`, `alternative_length`). Settings only: each generation's estimates
+    live in the `AdaptiveRun` that `prepare` returns.
     """
 
     max_k: int = MAX_K
