@@ -24,8 +24,8 @@ log-probabilities, read from the same rows (`logprobs.py`); with `config.prompt_
 every prompt row and the first chunk carries the prompt's. Where the schedule says a pass costs about the
 same for more rows (an offloaded target; `schedules.StepPlan`), a greedy generation also verifies other
 drafters' drafts in forks of its cache, in the same pass (`add_alternatives`), and keeps the tokens of the one
-accepted furthest (`keep_furthest`): still the target's own greedy ones. The forks are dropped, and the generation's cache is still
-filled in order (the kept draft's tokens are fed again in the next pass).
+accepted furthest (`keep_furthest`): still the target's own greedy ones. The forks are dropped, and the
+generation's cache is still filled in order (the kept draft's tokens are fed again in the next pass).
 """
 
 from __future__ import annotations
