@@ -1,7 +1,9 @@
 """Offloaded weights measured for real: `assistgen bench` with the target in a memory cgroup capped below its weights.
 
 Contract: needs root and cgroup v1's memory controller (/sys/fs/cgroup/memory); refuses with a message saying so
-elsewhere. It measures the disk's read speed on the target's GGUF file (the file dropped from the page cache first,
+elsewhere. It loads the target and the configurations' assistants once outside any cap first (a first use converts
+their tokenizers, a transient a tight group would kill the child for; the result is cached). It measures the disk's
+read speed on the target's GGUF file (the file dropped from the page cache first,
 then read once in 16 MiB blocks) and the baseline of the child process (Python with assistgen imported, no model),
 then runs each configuration as a child `assistgen bench ... --max-memory (LIMIT - baseline)` inside a fresh memory
 group limited to LIMIT (`memory.limit_in_bytes`, page cache included; swap off in the group), so that every weight
@@ -55,6 +57,20 @@ def weight_files(spec: str, backend: str, quantize: str | None) -> list[Path]:
     if not files:
         raise SystemExit(f"{spec}: no safetensors in {folder} (the torch backend memory-maps those).")
     return files
+
+
+def first_uses(model: str, backend: str, configs: list[str]) -> None:
+    """Load the target and each configuration's assistant once, outside any cap, in a child: a first use converts
+    their tokenizers (hundreds of MB for a while, which a tight group would kill the bench for), and what it writes is
+    cached for the capped runs."""
+    specs = [(model, backend)]
+    for config in configs:
+        words = shlex.split(config)
+        for flag in ("--assistant", "-a"):
+            if flag in words[:-1]:
+                specs.append((words[words.index(flag) + 1], "llama.cpp" if backend == "llama.cpp" else "auto"))
+    loads = "; ".join(f"load_model({spec!r}, backend={b!r})" for spec, b in dict.fromkeys(specs))
+    subprocess.run([sys.executable, "-c", f"from assistgen import load_model; {loads}"], check=True)
 
 
 def read_speed(path: Path) -> float:
@@ -121,6 +137,7 @@ def main() -> None:
         raise SystemExit(f"benchmarks/offload.py: {why}. Run it as root on a Linux machine with cgroup v1's memory "
                          "controller mounted at /sys/fs/cgroup/memory.")
     files = weight_files(args.model, args.backend, args.quantize)
+    first_uses(args.model, args.backend, args.config)
     speed = sum(f.stat().st_size for f in files) / sum(f.stat().st_size / read_speed(f) for f in files)
     base = baseline_bytes()
     limit = parse_budget(args.limit) if args.limit else base + parse_budget(args.max_memory)
