@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from assistgen.backends.base import Cache, LanguageModel
+from assistgen.backends.base import Cache, LanguageModel, shared_prefix
 from assistgen.config import ConfigError, GenerationConfig
 from assistgen.core.constraint import Constraint
 from assistgen.core.logprobs import TokenLogprob, token_logprobs
@@ -42,7 +42,7 @@ from assistgen.core.text import TextStream
 from assistgen.drafters.base import Draft, Drafter, Proposal, drafters_of, first_draft
 from assistgen.drafters.grammar import GrammarDrafter
 from assistgen.policy.costs import PassCosts, pass_costs
-from assistgen.policy.gain import merged_reach
+from assistgen.policy.gain import alternative_gain, merged_reach
 from assistgen.policy.schedules import Schedule, ScheduleRun, StepOutcome, StepPlan, verified_lengths
 from assistgen.stats import Stats
 
@@ -89,9 +89,6 @@ class GenerationState:
     forbidden: int | None = None  # the draft token right after the verified ones, when the grammar forbids it
     prompt_logprobs: list[TokenLogprob] | None = None  # filled by the prefill when the config asks for them
     alternatives: list[Alternative] = field(default_factory=list)  # other drafts this step verifies beside its own
-    losers: list[StepOutcome] = field(default_factory=list)  # the drafts verified this step and not kept
-    alternative_rows: int = 0  # their draft tokens
-    from_alternative: bool = False  # whether the kept draft was an alternative
 
     @property
     def prefilling(self) -> bool:
@@ -164,14 +161,12 @@ def step(states: list[GenerationState], prefill_budget: int | None = None) -> li
               for s in fed[len(decoding):]]
     others = [(a.cache, ids, len(ids)) for s in decoding for a in s.alternatives
               for ids in [s.unfed + a.proposal.draft.tokens]]
+    mine = {id(s): rows_fed(s) for s in decoding}
     t = clock()
     logits = target.feed_together(feeds + others)  # per generation [keep, vocab], then per alternative
     elapsed = clock() - t
     logits, other_logits = logits[: len(feeds)], iter(logits[len(feeds):])
     rows_in_all = sum(len(ids) for _, ids, _ in feeds + others)
-    mine = {id(s): len(ids) for (_, ids, _), s in zip(feeds, decoding, strict=False)}  # its rows, alternatives too
-    for owner, (_, ids, _) in zip([s for s in decoding for _ in s.alternatives], others, strict=True):
-        mine[id(owner)] += len(ids)
     if len(fed) > 1 and costs is None:
         costs = pass_costs(target)  # only fixed rules this step: the target's own costs share out its time
     chunks: dict[int, Chunk] = {}
@@ -184,10 +179,12 @@ def step(states: list[GenerationState], prefill_budget: int | None = None) -> li
         else:
             share = elapsed if len(fed) == 1 else elapsed * time_share(mine[id(s)], len(fed), rows_in_all, costs)
             rows = rows[len(rows) - s.verified - 1:]  # [verified+1, vocab]
+            losers, from_alternative = [], False
             if s.alternatives:
-                rows = keep_furthest(s, rows, [r[len(r) - len(a.proposal.draft.tokens) - 1:]
-                                               for a, r in zip(s.alternatives, other_logits, strict=False)])
-            chunks[id(s)] = accept(s, rows, share)
+                rows, losers, from_alternative = keep_furthest(
+                    s, rows, [r[len(r) - len(a.proposal.draft.tokens) - 1:]
+                              for a, r in zip(s.alternatives, other_logits, strict=False)])
+            chunks[id(s)] = accept(s, rows, share, losers, from_alternative)
     return [chunks.get(id(s)) for s in states]
 
 
@@ -262,19 +259,17 @@ def add_alternatives(decoding: list[GenerationState], prefill_rows: int, costs: 
         s.alternatives = []
     if costs is None:
         return
+    bests = [s.run.reach(s.proposal.draft, s.proposal.drafter, s.verified) for s in decoding]
+    # (each generation emits the target's own token and its draft's expected accepted ones)
     plan = StepPlan(costs, len(decoding) + (1 if prefill_rows else 0), len(decoding) + prefill_rows,
-                    sum(s.verified for s in decoding), 0.0)
-    for s in decoding:
-        best = s.run.reach(s.proposal.draft, s.proposal.drafter, s.verified)
-        plan.tokens += 1.0 + sum(best)  # (the target's own token, and the draft's expected accepted ones)
-    for s in decoding:
+                    sum(s.verified for s in decoding), sum(1.0 + sum(best) for best in bests))
+    for s, best in zip(decoding, bests, strict=True):
         if s.config.greedy and s.constraint is None:
-            find_alternatives(s, plan)
+            find_alternatives(s, best, plan)
 
 
-def find_alternatives(s: GenerationState, plan: StepPlan) -> None:
-    """`add_alternatives` for one generation."""
-    best = s.run.reach(s.proposal.draft, s.proposal.drafter, s.verified)
+def find_alternatives(s: GenerationState, best: list[float], plan: StepPlan) -> None:
+    """`add_alternatives` for one generation; best[i-1]: the chance its own draft's accepted run reaches i tokens."""
     verified = [s.proposal.draft.tokens[: s.verified]]
     for drafter in s.drafters:
         if drafter.name == s.proposal.drafter or drafter.name in s.proposal.empty:
@@ -287,8 +282,8 @@ def find_alternatives(s: GenerationState, plan: StepPlan) -> None:
         seconds = s.cache.clock() - start
         s.stats.draft_forward_passes += draft.forward_passes
         s.stats.draft_s += seconds
-        shared = max(shared_length(tokens, draft.tokens) for tokens in verified)
-        n = s.run.alternative_length(draft, drafter.name, best, shared, plan, len(s.alternatives))
+        shared = max(shared_prefix(tokens, draft.tokens) for tokens in verified)
+        n = s.run.alternative_length(draft, drafter.name, best, shared, plan)
         if n <= 0:
             continue
         try:
@@ -299,41 +294,38 @@ def find_alternatives(s: GenerationState, plan: StepPlan) -> None:
         s.alternatives.append(Alternative(Proposal(draft, drafter.name, seconds, seconds, draft.forward_passes),
                                           fork))
         verified.append(draft.tokens)
-        merged = merged_reach(best, s.run.reach(draft, drafter.name, n), shared)
-        plan.add(sum(merged) - sum(best), n)
-        best = merged
+        other = s.run.reach(draft, drafter.name, n)
+        plan.add(alternative_gain(best, other, shared), n)
+        best = merged_reach(best, other, shared)
 
 
-def shared_length(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
-def keep_furthest(s: GenerationState, logits, others: list) -> object:
+def keep_furthest(s: GenerationState, logits, others: list) -> tuple[object, list[StepOutcome], bool]:
     """Of the generation's draft and its alternatives (verified in the same pass: `logits` [verified+1, vocab] and
     each alternative's), keep the one whose draft the target accepts furthest (ties: the generation's own): its
-    proposal and logits become the generation's; each other one's acceptance is learnt by the schedule after the
-    step (`StepOutcome`s in `s.losers`). Returns the kept logits. The generation keeps its own cache, and the forks
-    are dropped: an alternative's accepted tokens are fed again in the next pass (`unfed`), so that the cache holds
-    every token in the order it was written, as when fed alone (llama.cpp's attention sums over its cells in their
-    order, and a fork's cells lie after the sequence's own draft cells, which are given back)."""
+    proposal becomes the generation's. Returns the kept logits, the others' outcomes (their acceptance is learnt by
+    the schedule after the step) and whether the kept one was an alternative. The generation keeps its own cache,
+    and the forks are dropped: an alternative's accepted tokens are fed again in the next pass (`unfed`), so that the
+    cache holds every token in the order it was written, as when fed alone (llama.cpp's attention sums over its
+    cells in their order, and a fork's cells lie after the sequence's own draft cells, which are given back)."""
     candidates = [(s.proposal, s.verified, logits)]
     candidates += [(a.proposal, len(a.proposal.draft.tokens), rows) for a, rows in zip(s.alternatives, others,
                                                                                         strict=True)]
     judged = [verify_greedy(rows, p.draft.tokens[:n]) for p, n, rows in candidates]
     kept = max(range(len(candidates)), key=lambda i: (judged[i][0], -i))
-    s.losers = [StepOutcome(p.draft, p.drafter, n, judged[i][0], judged[i][1], p.seconds)
-                for i, (p, n, _) in enumerate(candidates) if i != kept]
-    s.from_alternative = kept > 0
+    losers = [StepOutcome(p.draft, p.drafter, n, judged[i][0], judged[i][1], p.seconds)
+              for i, (p, n, _) in enumerate(candidates) if i != kept]
     if kept:  # the cache keeps what it shares with the kept tokens
-        s.cache.crop(len(s.ids) + shared_length(s.proposal.draft.tokens[: s.verified],
+        s.cache.crop(len(s.ids) + shared_prefix(s.proposal.draft.tokens[: s.verified],
                                                 candidates[kept][0].draft.tokens[: judged[kept][0]]))
     s.proposal, s.verified, logits = candidates[kept]
-    s.alternative_rows = sum(n for i, (_, n, _) in enumerate(candidates) if i != kept)
     s.alternatives = []
-    return logits
+    return logits, losers, kept > 0
+
+
+def rows_fed(s: GenerationState) -> int:
+    """The rows a decoding generation feeds this step: its unfed tokens and verified draft, and each alternative's."""
+    unfed = len(s.unfed)
+    return unfed + s.verified + sum(unfed + len(a.proposal.draft.tokens) for a in s.alternatives)
 
 
 def time_share(mine: int, sequences: int, rows: int, costs: PassCosts) -> float:
@@ -342,8 +334,10 @@ def time_share(mine: int, sequences: int, rows: int, costs: PassCosts) -> float:
     return min(1.0, costs.rows(mine) / costs.batch(sequences, rows))
 
 
-def accept(s: GenerationState, logits, verify_s: float) -> Chunk:
-    """Verify the generation's draft against the target's logits [verified+1, vocab], roll back, emit."""
+def accept(s: GenerationState, logits, verify_s: float, losers: list[StepOutcome] = (),
+           from_alternative: bool = False) -> Chunk:
+    """Verify the generation's draft against the target's logits [verified+1, vocab], roll back, emit; `losers`: the
+    drafts verified beside it and not kept (`keep_furthest`; `from_alternative`: the kept one was one of those)."""
     n, draft = s.verified, s.proposal.draft
     if s.constraint is not None:
         logits = s.constraint.mask(logits)  # [n+1, vocab]
@@ -351,12 +345,10 @@ def accept(s: GenerationState, logits, verify_s: float) -> Chunk:
     s.stats.verify_s += verify_s
     s.cache.crop(min(len(s.cache), len(s.ids) + accepted))  # roll back the rejected draft positions
     s.drafter.observe(accepted, p)
-    losers = s.losers
     s.run.update(StepOutcome(draft, s.proposal.drafter, n, accepted, token, s.proposal.seconds, verify_s,
-                             len(losers), s.alternative_rows, s.from_alternative))
+                             len(losers), sum(o.verified for o in losers), from_alternative))
     for outcome in losers:
         s.run.learn_alternative(outcome)
-    s.losers, s.alternative_rows, s.from_alternative = [], 0, False
     s.stats.record_step(n, accepted)
 
     new = draft.tokens[:accepted] + [token]

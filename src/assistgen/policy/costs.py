@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from assistgen.backends.measure import best_of_rounds, random_context, step_times
@@ -182,11 +183,7 @@ def measure_costs(model) -> dict:
 
 def interpolated(times: list[float], rows: tuple[int, ...]) -> list[float]:
     """t(n) for n = 1..rows[-1] from the times at `rows` (ascending, from 1), linear between them."""
-    out = []
-    for (n0, t0), (n1, t1) in zip(zip(rows, times, strict=True), zip(rows[1:], times[1:], strict=True),
-                                  strict=False):
-        out += [t0 + (t1 - t0) * (n - n0) / (n1 - n0) for n in range(n0, n1)]
-    return out + [times[-1]]
+    return np.interp(np.arange(1, rows[-1] + 1), rows, times).tolist()
 
 
 def batch_step_times(model, context: int = 128, repeats: int = 3) -> tuple[float, float, float]:

@@ -34,10 +34,8 @@ from assistgen.backends.base import MAX_K  # noqa: F401 - re-exported: the most 
 def expected_tokens(rates: list[float], k: float) -> float:
     """E(k): tokens one step emits when it verifies k draft tokens."""
     low = math.floor(k)
-    total, chain = 1.0, 1.0
-    for i in range(low):
-        chain *= rates[min(i, len(rates) - 1)]
-        total += chain
+    chains = reach(rates, low)
+    total, chain = 1.0 + sum(chains), chains[-1] if chains else 1.0
     if k == low:
         return total
     return total + (k - low) * chain * rates[min(low, len(rates) - 1)]  # mixed with E(low + 1)
@@ -146,7 +144,7 @@ def alternative_gain(best: list[float], other: list[float], shared: int = 0) -> 
     reaches i tokens with probability best[i-1]: E[max] - E[best's], the two taken as independent past the `shared`
     tokens the other draft begins with (its first `shared` tokens are those of a draft already verified, so they
     add nothing). `other`: its own `reach`."""
-    return sum(p * (1.0 - (best[i] if i < len(best) else 0.0)) for i, p in enumerate(other) if i >= shared)
+    return sum(merged_reach(best, other, shared)) - sum(best)
 
 
 def merged_reach(best: list[float], other: list[float], shared: int = 0) -> list[float]:

@@ -14,7 +14,7 @@ whatever the generation learns and answers the loop in `engine.py`:
                                 whole draft (a fixed rule, or a costly drafter already asked for its best k);
     alternative_k(drafter, best, plan, room, chosen) -> int   how many tokens to ask a further drafter for, as an
                                 alternative draft verified beside the main one in a fork of the cache (0: none);
-    alternative_length(draft, drafter_name, best, shared, plan, chosen) -> int   how many of that draft to
+    alternative_length(draft, drafter_name, best, shared, plan) -> int   how many of that draft to
                                 verify;
     update(outcome)             what the step did (`StepOutcome`; `learn_alternative` for an alternative that lost);
     report() -> dict            figures for the statistics;
@@ -111,7 +111,7 @@ class ScheduleRun(Protocol):
     def alternative_k(self, drafter: Drafter, best: list[float], plan: StepPlan, room: int, chosen: int) -> int: ...
 
     def alternative_length(self, draft: Draft, drafter_name: str, best: list[float], shared: int,
-                           plan: StepPlan, chosen: int) -> int: ...
+                           plan: StepPlan) -> int: ...
 
     def reach(self, draft: Draft, drafter_name: str, verified: int) -> list[float]: ...
 
@@ -128,7 +128,7 @@ class NoAlternatives:
     def alternative_k(self, drafter, best, plan, room, chosen) -> int:
         return 0
 
-    def alternative_length(self, draft, drafter_name, best, shared, plan, chosen) -> int:
+    def alternative_length(self, draft, drafter_name, best, shared, plan) -> int:
         return 0
 
     def reach(self, draft, drafter_name, verified) -> list[float]:
@@ -545,10 +545,10 @@ class AdaptiveRun:
         return self._best_alternative(rates, best, 0, min(room, self._k_max()), plan, c)
 
     def alternative_length(self, draft: Draft, drafter_name: str, best: list[float], shared: int,
-                           plan: StepPlan, chosen: int) -> int:
-        """How many of an alternative draft (its first `shared` tokens those of a draft already verified) to verify
-        beside the others (`chosen` of them), now that it is drafted (0: none pays)."""
-        if not self.alternatives_on() or not draft.tokens or chosen >= self.settings.alternatives:
+                           plan: StepPlan) -> int:
+        """How many of an alternative draft asked for by `alternative_k` (its first `shared` tokens those of a draft
+        already verified) to verify beside the others, now that it is drafted (0: none pays)."""
+        if not self.alternatives_on() or not draft.tokens:
             return 0
         rates = self.estimate(draft.source or drafter_name, drafter_name).estimate()
         return self._best_alternative(rates, best, shared, len(draft.tokens), plan, 0.0)
