@@ -117,3 +117,13 @@ def test_alternatives_on_llama_cpp_in_forked_sequences():
     assert out.stats.notes.get("alternatives_verified", 0) > 0, out.stats.notes
     assert out.stats.notes.get("alternatives_won", 0) > 0, out.stats.notes
 
+
+
+def test_a_bad_schedule_on_the_command_line_names_the_problem(capsys):
+    from assistgen.cli.main import main
+
+    for text, said in (("adaptive:16:x", "invalid literal"), ("adaptive:16:-1", "alternatives >= 0"),
+                       ("sometimes", "use adaptive[:MAX_K[:ALTERNATIVES]]")):
+        with pytest.raises(SystemExit):
+            main(["generate", "--schedule", text, "hi"])
+        assert said in capsys.readouterr().err

@@ -26,6 +26,14 @@ from assistgen.config import ConfigError
 from assistgen.policy.schedules import parse_schedule
 
 
+def schedule_argument(text: str):
+    """`--schedule`'s value, its error shown by argparse as it is (`parse_schedule` names the forms it takes)."""
+    try:
+        return parse_schedule(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="assistgen", description="Exact assisted generation for causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -41,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="assistant model (any tokenizer: a different one switches to universal mode)")
     drafter.add_argument("--early-exit", nargs="?", const=True, type=int, metavar="LAYERS",
                          help="self-drafting with the target's first LAYERS layers (chosen by calibration if omitted)")
-    gen.add_argument("--schedule", type=parse_schedule,
+    gen.add_argument("--schedule", type=schedule_argument,
                      help="adaptive[:MAX_K[:ALTERNATIVES]] (default: cost-aware, k may be 0; ALTERNATIVES: at most "
                           "this many other drafts verified beside one where passes cost the same for more rows, "
                           "default 3, 0: none) | constant:K | heuristic | confidence:K:T")
@@ -89,7 +97,7 @@ def add_serve(p: argparse.ArgumentParser) -> None:
     drafter.add_argument("--assistant", "-a", help="assistant model (any tokenizer), shared by all requests")
     drafter.add_argument("--early-exit", nargs="?", const=True, type=int, metavar="LAYERS",
                          help="self-drafting with the target's first LAYERS layers")
-    p.add_argument("--schedule", type=parse_schedule, help="as for generate (default: cost-aware adaptive)")
+    p.add_argument("--schedule", type=schedule_argument, help="as for generate (default: cost-aware adaptive)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--max-batch", type=int, help="requests generated together")
