@@ -23,7 +23,7 @@ install: $(STAMP)
 # The llama.cpp backend: llama-cpp-python's Python bindings, with only the two libraries they load (libllama,
 # libggml*) built from the llama.cpp sources in its sdist, so that the same version of both is used. This skips
 # the parts of the full `pip install 'assistgen[llamacpp]'` build that assistgen never calls (llama.cpp's common
-# library and the multimodal one): under 3 minutes on 2 cores instead of 7.5. patches/llama.cpp-row-exact.patch
+# library and the multimodal one): under 3 minutes on 2 cores instead of 7.5. patches/llama.cpp-assistgen.patch
 # adds a switch between ggml's fastest CPU kernels and its reference ones, on which a row's result does not
 # depend on the other rows of its pass (docs/benchmarks.md): the backend verifies on the reference kernels and
 # runs prompts on the fast ones (`LlamaModel.row_exact`).
@@ -34,11 +34,11 @@ LLAMA_LIBS := $(LLAMA_BUILD)/cmake/bin/libllama.so
 LLAMA_STAMP := $(VENV)/.llamacpp-$(LLAMA_CPP_PY)
 
 # The libraries need no venv: `make test` builds them while pip installs the rest.
-$(LLAMA_LIBS): patches/llama.cpp-row-exact.patch
+$(LLAMA_LIBS): patches/llama.cpp-assistgen.patch
 	rm -rf $(LLAMA_BUILD) && mkdir -p $(LLAMA_BUILD)
 	$(PY) -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PY) -d $(LLAMA_BUILD)
 	tar xzf $(LLAMA_SRC).tar.gz -C $(LLAMA_BUILD)
-	patch -p1 -s -d $(LLAMA_SRC)/vendor/llama.cpp < patches/llama.cpp-row-exact.patch
+	patch -p1 -s -d $(LLAMA_SRC)/vendor/llama.cpp < patches/llama.cpp-assistgen.patch
 	cmake -S $(LLAMA_SRC)/vendor/llama.cpp -B $(LLAMA_BUILD)/cmake \
 		-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF \
 		-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF \

@@ -121,10 +121,11 @@ def gguf_of(spec: str) -> Path:
     return EMBEDDED[spec].gguf_path() if spec in EMBEDDED else Path(spec)
 
 
-def start_server(args, config: str, port: int) -> subprocess.Popen:
+def start_server(command: list[str], port: int, timeout: float) -> subprocess.Popen:
+    """Run `command` (a server listening on 127.0.0.1:port) until /health answers 200 (at most `timeout` s)."""
     log = open(os.environ["SERVE_LOAD_LOG"], "a") if os.environ.get("SERVE_LOAD_LOG") else subprocess.DEVNULL
-    process = subprocess.Popen(server_command(args, config, port), stdout=log, stderr=log)
-    deadline = time.monotonic() + args.start_timeout
+    process = subprocess.Popen(command, stdout=log, stderr=log)
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"the server exited with status {process.returncode}")
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for config in args.configs:
         port = free_port()
-        process = start_server(args, config, port)
+        process = start_server(server_command(args, config, port), port, args.start_timeout)
         try:
             for concurrency in args.concurrency:
                 result = asyncio.run(run_round(f"http://127.0.0.1:{port}", args, config, concurrency, prompts))

@@ -1,9 +1,10 @@
 """assistgen: exact assisted (speculative) generation for causal language models, behind one backend seam."""
 
-from assistgen.api import Generation, generate, load_model, prepare, stream
+from assistgen.api import Conversation, Generation, Session, generate, load_model, prepare, stream
 from assistgen.backends.embedded import ModelLoadError
 from assistgen.backends.torch.model import Model
 from assistgen.config import ConfigError, GenerationConfig, Structure
+from assistgen.core.prefix import PrefixCache
 from assistgen.drafters.assistant import AssistantDrafter, TokenizerMismatchError
 from assistgen.drafters.base import CompositeDrafter, Draft, Drafter, NoDrafter
 from assistgen.drafters.early_exit import EarlyExitDrafter
@@ -14,8 +15,8 @@ from assistgen.policy.schedules import Adaptive, Constant, Heuristic, confidence
 from assistgen.stats import Stats
 
 __all__ = [
-    "Adaptive", "AssistantDrafter", "CompositeDrafter", "ConfigError", "Constant", "Draft", "Drafter",
+    "Adaptive", "AssistantDrafter", "CompositeDrafter", "ConfigError", "Constant", "Conversation", "Draft", "Drafter",
     "EarlyExitDrafter", "Generation", "GenerationConfig", "Heuristic", "Model", "ModelLoadError", "NGramCache",
-    "NGramCacheDrafter", "NoDrafter", "PromptLookupDrafter", "Stats", "Structure", "TokenizerMismatchError",
-    "UniversalDrafter", "confidence", "generate", "load_model", "prepare", "stream",
+    "NGramCacheDrafter", "NoDrafter", "PrefixCache", "PromptLookupDrafter", "Session", "Stats", "Structure",
+    "TokenizerMismatchError", "UniversalDrafter", "confidence", "generate", "load_model", "prepare", "stream",
 ]

@@ -24,11 +24,13 @@ from assistgen.config import ConfigError, GenerationConfig, Structure
 from assistgen.core.engine import Chunk
 from assistgen.core.engine import stream as run_loop
 from assistgen.core.logprobs import TokenLogprob
+from assistgen.core.prefix import PrefixCache, check_capacity, default_capacity
 from assistgen.drafters.assistant import AssistantDrafter, same_tokenizer
 from assistgen.drafters.base import CompositeDrafter, Drafter, NoDrafter
 from assistgen.drafters.early_exit import EarlyExitDrafter
 from assistgen.drafters.lookup import PromptLookupDrafter
 from assistgen.drafters.ngram import NGramCache, NGramCacheDrafter, cache_for, shared_cache
+from assistgen.drafters.suffix import SuffixDrafter, SuffixHistory, history_for
 from assistgen.drafters.universal import UniversalDrafter
 from assistgen.policy.costs import calibrate
 from assistgen.policy.schedules import Adaptive, Schedule, parse_schedule
@@ -113,11 +115,15 @@ def make_drafter(
     lookup: bool = False,
     early_exit: bool | int = False,
     ngram_cache: bool | str | NGramCache | None = False,
+    suffix: bool | str | SuffixHistory = False,
 ) -> Drafter:
-    """The drafter for these options; several sources compose, cheapest first (lookup, n-gram cache, a model)."""
+    """The drafter for these options; several sources compose, cheapest first (suffix, lookup, n-gram cache, a
+    model): suffix drafting before prompt lookup, whose match it extends."""
     if assistant is not None and early_exit:
         raise ConfigError("Choose either an assistant model or early exit (self-drafting), not both.")
     drafters: list = []
+    if suffix is not None and suffix is not False:
+        drafters.append(SuffixDrafter(suffix_history_of(suffix)))
     if lookup:
         drafters.append(PromptLookupDrafter())
     cache = ngram_cache_of(ngram_cache)
@@ -134,6 +140,21 @@ def make_drafter(
     if not drafters:
         return NoDrafter()
     return drafters[0] if len(drafters) == 1 else CompositeDrafter(drafters)
+
+
+def suffix_history_of(suffix) -> SuffixHistory | None:
+    """The earlier text suffix drafting searches besides the sequence's own: none for True, a namespace's history for
+    a string (`suffix.history_for`: requests share text only when they name the same namespace), or the object."""
+    if suffix is True:
+        return None
+    if isinstance(suffix, str):
+        if not suffix:
+            raise ConfigError("suffix: a namespace must be a non-empty string (e.g. the user's id).")
+        return history_for(suffix)
+    if isinstance(suffix, SuffixHistory):
+        return suffix
+    raise ConfigError(f"suffix must be True (this sequence's own text), a namespace string or a SuffixHistory, "
+                      f"got {type(suffix).__name__}.")
 
 
 def ngram_cache_of(ngram_cache) -> NGramCache | None:
@@ -183,11 +204,15 @@ def stream(
     chat: bool = False,
     early_exit: bool | int = False,
     ngram_cache: bool | str | NGramCache | None = False,
+    prefix: PrefixCache | None = None,
+    suffix: bool | str | SuffixHistory = False,
     **settings,
 ) -> Iterator[Chunk]:
     """Stream `Chunk`s (tokens and text per verification step); the last one carries the stats.
 
-    Drafting sources, cheapest first when several are given: `lookup` (prompt lookup),
+    Drafting sources, cheapest first when several are given: `suffix` (the longest earlier match of the sequence's
+    tail, continued by what most often followed it: True for the sequence's own text, a namespace string for that
+    namespace's earlier requests too, `drafters.suffix`), `lookup` (prompt lookup),
     `ngram_cache` (an n-gram cache that learns across requests: a namespace string, e.g. a user's id, whose
     cache only requests naming the same namespace share (`ngram.cache_for`); True: the process-wide shared
     namespace; or an `NGramCache` object), then one
@@ -199,7 +224,8 @@ def stream(
     max_new_tokens, temperature, top_k, top_p, seed, stop, eos_token_ids, logprobs, prompt_logprobs (each chunk
     then carries its tokens' log-probabilities under the target), structure (a `Structure`: the output follows
     a JSON schema, any JSON object, a regex or a grammar; `json_schema=` is a shortcut taking a schema as a dict
-    or JSON text).
+    or JSON text). `prefix`: a `PrefixCache` the generation starts from (its longest kept prefix of the prompt) and
+    leaves its cache in (`Session` keeps one).
     """
     if "json_schema" in settings:
         settings["structure"] = json_schema_structure(settings.pop("json_schema"))
@@ -213,9 +239,11 @@ def stream(
     config.validate()
     target = as_model(model)
     prompt_ids = encode_prompt(target, prompt, chat)
-    drafter = make_drafter(target, assistant, lookup, early_exit, ngram_cache)
+    drafter = make_drafter(target, assistant, lookup, early_exit, ngram_cache, suffix)
     schedule = as_schedule(schedule) if schedule is not None else default_schedule()
-    yield from run_loop(target, prompt_ids, drafter, schedule, config)
+    if prefix is not None and prefix.model is not target:
+        raise ConfigError("prefix: the PrefixCache belongs to another model than the one generating.")
+    yield from run_loop(target, prompt_ids, drafter, schedule, config, prefix)
 
 
 def json_schema_structure(schema) -> Structure:
@@ -250,6 +278,8 @@ def generate(
     chat: bool = False,
     early_exit: bool | int = False,
     ngram_cache: bool | str | NGramCache | None = False,
+    prefix: PrefixCache | None = None,
+    suffix: bool | str | SuffixHistory = False,
     **settings,
 ) -> Generation:
     """Generate a continuation of `prompt`; same arguments as `stream`."""
@@ -260,7 +290,8 @@ def generate(
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs = None
     last = None
-    for chunk in stream(target, prompt_ids, assistant, lookup, schedule, False, early_exit, ngram_cache, **settings):
+    for chunk in stream(target, prompt_ids, assistant, lookup, schedule, False, early_exit, ngram_cache, prefix,
+                        suffix, **settings):
         tokens.extend(chunk.tokens)
         text.append(chunk.text)
         if chunk.logprobs is not None:
@@ -268,3 +299,45 @@ def generate(
         prompt_logprobs = chunk.prompt_logprobs if chunk.prompt_logprobs is not None else prompt_logprobs
         last = chunk
     return Generation("".join(text), tokens, prompt_ids, last.finish_reason, last.stats, logprobs, prompt_logprobs)
+
+
+class Session:
+    """Generations on one model that keep their keys and values between calls: each call feeds only what follows
+    the longest prefix of its prompt an earlier call of the session computed (a `PrefixCache` of at most `capacity`
+    bytes; None: `prefix.default_capacity`). `generate` and `stream` take `generate`'s arguments; `defaults` are
+    given to every call (a call's own arguments win). The output is what the same call gives without the session
+    (on llama.cpp, load the model with `exact_prompts=True` for that to hold bit for bit: prompts then run on the
+    row-exact kernels, as decoding does)."""
+
+    def __init__(self, model: LanguageModel | str, capacity: int | None = None, **defaults):
+        self.model = as_model(model)
+        capacity = default_capacity(self.model) if capacity is None else capacity
+        check_capacity(self.model, capacity)
+        limit = self.model.max_sequences  # (leave sequences for the generation and its forks)
+        self.prefix = PrefixCache(self.model, capacity, None if limit is None else max(1, limit // 2))
+        self.defaults = defaults
+
+    def stream(self, prompt: str | list[int], **arguments) -> Iterator[Chunk]:
+        return stream(self.model, prompt, prefix=self.prefix, **{**self.defaults, **arguments})
+
+    def generate(self, prompt: str | list[int], **arguments) -> Generation:
+        return generate(self.model, prompt, prefix=self.prefix, **{**self.defaults, **arguments})
+
+
+class Conversation:
+    """A chat with a model that remembers its turns and their keys and values: `say(text)` adds a user message,
+    generates the assistant's reply through the chat template (feeding only the new turn when the template renders
+    the earlier turns as before) and adds it. `system` starts the conversation; `defaults` as for `Session`."""
+
+    def __init__(self, model: LanguageModel | str, system: str | None = None, capacity: int | None = None,
+                 **defaults):
+        self.session = Session(model, capacity, **defaults)
+        self.messages: list[dict] = [] if system is None else [{"role": "system", "content": system}]
+
+    def say(self, text: str, **arguments) -> Generation:
+        if not isinstance(text, str) or not text.strip():
+            raise ConfigError("say() needs the user's message as non-empty text.")
+        messages = [*self.messages, {"role": "user", "content": text}]
+        reply = self.session.generate(encode_chat(self.session.model, messages), **arguments)
+        self.messages = [*messages, {"role": "assistant", "content": reply.text}]
+        return reply

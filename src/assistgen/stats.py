@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 class Stats:
     mode: str = "plain"
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's tokens, those whose keys and values a kept cache held (not fed again)
     new_tokens: int = 0  # emitted (after stop truncation)
     steps: int = 0  # verification steps = target forward passes after the prefill
     draft_steps: int = 0  # verification steps that checked at least one draft token
@@ -34,9 +35,9 @@ class Stats:
         """The counters of several generations added up (histograms position by position)."""
         out = Stats(mode=parts[0].mode if parts else "plain")
         for part in parts:
-            for name in ("prompt_tokens", "new_tokens", "steps", "draft_steps", "target_forward_passes",
-                         "draft_forward_passes", "drafted_tokens", "accepted_tokens", "prefill_s", "draft_s",
-                         "verify_s", "total_s"):
+            for name in ("prompt_tokens", "cached_tokens", "new_tokens", "steps", "draft_steps",
+                         "target_forward_passes", "draft_forward_passes", "drafted_tokens", "accepted_tokens",
+                         "prefill_s", "draft_s", "verify_s", "total_s"):
                 setattr(out, name, getattr(out, name) + getattr(part, name))
             for name in ("accept_histogram", "position_checks"):
                 mine, theirs = getattr(out, name), getattr(part, name)
@@ -81,7 +82,7 @@ class Stats:
         lines = [
             f"mode {self.mode}; finish: {self.finish_reason}",
             f"new tokens {self.new_tokens} in {self.total_s:.2f} s = {self.tokens_per_second:.1f} tok/s "
-            f"(prompt {self.prompt_tokens} tokens)",
+            f"(prompt {self.prompt_tokens} tokens, {self.cached_tokens} of them cached)",
             f"target forward passes {self.target_forward_passes} (prefill + {self.steps} steps); "
             f"draft forward passes {self.draft_forward_passes}",
             f"drafted {self.drafted_tokens}, accepted {self.accepted_tokens}: acceptance rate "

@@ -9,14 +9,16 @@ layers above it touch a forward pass:
                                       positions; returns each cache's logits [keep, vocab] float32 torch
                                       tensors on `model.device`, in order;
     cache.feed(ids, keep) / crop(n) / fork() / len(cache) / cache.tokens / cache.sync(ids) / cache.clock()
-                                      (the model's clock on the device the cache lives on, found once)
+                                      (the model's clock on the device the cache lives on, found once) /
+                                      cache.nbytes() (the memory its keys and values hold)
 plus what decoding needs to know: `name`, `backend` (the library's name, for messages and reports),
 `tokenizer` (a Hugging Face-style tokenizer: `__call__`,
 `decode`, `get_vocab`, `convert_ids_to_tokens`, `apply_chat_template`), `vocab_size` (the width of the
 logits), `eos_token_ids`, `context_length` (None when unbounded), `device` (where logits, and the
 tensors made from them, live), `weight_bytes` (what a forward pass reads, for the policy's cost prior),
 `max_memory` (the budget its weights are offloaded under, in bytes, None when they are not: then a pass's time is set
-by reading the weights from their file, not by their size),
+by reading the weights from their file, not by their size), `max_sequences` (how many caches can live at once, None:
+no bound), `kv_bytes_per_token` (the keys and values one cached position holds),
 `clock()` (seconds on a monotonic clock once the device's queued work is done: every timing above the
 seam goes through it), `optimize(mode, refresh)` (the backend's own speed transforms, "auto": only
 where they measure faster; it drops `costs`, which no longer hold) and `fingerprint(*extra)` (a stable
@@ -64,6 +66,8 @@ class Cache(Protocol):
 
     def clock(self) -> float: ...
 
+    def nbytes(self) -> int: ...
+
 
 Feed = tuple[Cache, list[int], int]  # (cache, new token ids, how many of the last rows' logits to keep)
 
@@ -76,6 +80,7 @@ class LanguageModel(Protocol):
     costs: Any  # the policy's measurements of this model (`policy.costs.PassCosts`), None until measured
     capabilities: Capabilities
     max_memory: int | None  # the budget its weights are offloaded under (bytes); None: not offloaded
+    max_sequences: int | None  # how many caches can live at once (llama.cpp's sequence ids); None: no bound
 
     @property
     def vocab_size(self) -> int: ...
@@ -91,6 +96,9 @@ class LanguageModel(Protocol):
 
     @property
     def weight_bytes(self) -> int: ...
+
+    @property
+    def kv_bytes_per_token(self) -> int: ...  # the keys and values one position of a cache holds
 
     def new_cache(self) -> Cache: ...
 

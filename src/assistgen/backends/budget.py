@@ -22,18 +22,19 @@ UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 1
 FORMS = "bytes, or a number with a unit: 800MB, 1.5GB, 512MiB, 2GiB"
 
 
-def parse_budget(value) -> int:
+def parse_budget(value, name: str = "max_memory", zero: bool = False) -> int:
+    """Bytes from an int or text with a unit; `name` is what messages call it; `zero`: 0 is allowed."""
     if isinstance(value, bool):
-        raise ConfigError(f"max_memory must be {FORMS}, got {value!r}.")
+        raise ConfigError(f"{name} must be {FORMS}, got {value!r}.")
     if isinstance(value, int):
         amount = value
     else:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
         if not match or match.group(2).lower() not in UNITS:
-            raise ConfigError(f"max_memory must be {FORMS}, got {value!r}.")
+            raise ConfigError(f"{name} must be {FORMS}, got {value!r}.")
         amount = int(float(match.group(1)) * UNITS[match.group(2).lower()])
-    if amount <= 0:
-        raise ConfigError(f"max_memory must be above 0, got {value!r}.")
+    if amount < 0 or (amount == 0 and not zero):
+        raise ConfigError(f"{name} must be above 0, got {value!r}.")
     return amount
 
 

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt text ('-' reads it from standard input)")
     gen.add_argument("--model", "-m", default="smollm2-135m", help="alias, hub id, local folder or .gguf file")
     gen.add_argument("--lookup", action="store_true", help="prompt-lookup drafting (no second model)")
+    gen.add_argument("--suffix", action="store_true",
+                     help="suffix drafting: the longest earlier match of the text's tail, continued by what most "
+                          "often followed it (no second model)")
     gen.add_argument("--ngram-cache", action="store_true",
                      help="draft from n-grams of earlier requests in this process, and of this one")
     drafter = gen.add_mutually_exclusive_group()
@@ -91,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
 def add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default="smollm2-135m", help="alias, hub id, local folder or .gguf file")
     p.add_argument("--lookup", action="store_true", help="prompt-lookup drafting (no second model)")
+    p.add_argument("--suffix", action="store_true",
+                   help="suffix drafting: the longest earlier match of the text's tail, in the request and in the "
+                        "same API key's earlier requests, continued by what most often followed it (no second model)")
     p.add_argument("--ngram-cache", action="store_true",
                    help="draft from n-grams of earlier requests with the same API key (never across keys)")
     drafter = p.add_mutually_exclusive_group()
@@ -104,6 +110,14 @@ def add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, help="requests waiting to join; more are answered 429")
     p.add_argument("--prefill-budget", type=int,
                    help="prompt tokens fed per step over all joining requests, beside the running streams' rows")
+    p.add_argument("--prefix-cache", metavar="BYTES",
+                   help="finished requests' keys and values kept so that a request reuses its longest cached prefix "
+                        "(e.g. 1GB; 0: none; default 512MB, or one full context where that is more)")
+    p.add_argument("--share-prefix-cache", action="store_true",
+                   help="kept prefixes serve every request (default: only requests with the same API key)")
+    p.add_argument("--fast-prompts", action="store_true",
+                   help="llama.cpp backend: prompts on ggml's fastest kernels (about 1.3x faster prefill); a turn "
+                        "continued from a kept prefix may then differ from the output a fresh server gives")
     ray = p.add_argument_group("replicas on Ray Serve (without --replicas: one process, no Ray)")
     ray.add_argument("--replicas", type=int, help="run N replicas on Ray Serve behind its HTTP proxy")
     ray.add_argument("--ray-address", help="join this Ray cluster (e.g. 10.0.0.5:6379) instead of starting one")
@@ -121,7 +135,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     target, assistant = load_target_and_assistant(args)
     last, logprobs = None, []
-    for chunk in stream(target, prompt, assistant=assistant, lookup=args.lookup, schedule=args.schedule,
+    for chunk in stream(target, prompt, assistant=assistant, lookup=args.lookup, suffix=args.suffix,
+                        schedule=args.schedule,
                         chat=args.chat, early_exit=args.early_exit or False, ngram_cache=args.ngram_cache,
                         **settings_from(args)):
         sys.stdout.write(chunk.text)
@@ -207,23 +222,50 @@ def cmd_serve(args: argparse.Namespace) -> int:
              if getattr(args, n) is not None] + ([] if args.route_by_key else ["--no-route-by-key"])
     if alone:
         raise ConfigError(f"{', '.join(alone)} set(s) how Ray Serve runs replicas: add --replicas N.")
-    target, assistant = load_target_and_assistant(args)
-    drafters = partial(make_drafter, target, assistant, args.lookup, args.early_exit or False)
+    target, assistant = load_target_and_assistant(args, serving_loading(args))
+    drafters = partial(make_drafter, target, assistant, args.lookup, args.early_exit or False, suffix=args.suffix)
     drafters()  # bad drafter options fail here, before the server starts
     schedule = as_schedule(args.schedule) if args.schedule is not None else default_schedule()
-    given = {n: getattr(args, n) for n in ("max_batch", "max_queue", "prefill_budget") if getattr(args, n) is not None}
-    engine = BatchEngine(target, drafters, schedule, EngineSettings(**given))
-    settings = ServerSettings(model_name=args.model, ngram_cache=args.ngram_cache)
+    engine = BatchEngine(target, drafters, schedule, EngineSettings(**engine_options(args)))
+    settings = ServerSettings(model_name=args.model, ngram_cache=args.ngram_cache, suffix=args.suffix,
+                              share_prefix_cache=args.share_prefix_cache)
     return serve(engine, settings, args.host, args.port, drafters)
+
+
+def prefix_bytes(args: argparse.Namespace) -> int | None:
+    """--prefix-cache in bytes (None: the default)."""
+    from assistgen.backends.budget import parse_budget
+
+    return None if args.prefix_cache is None else parse_budget(args.prefix_cache, "--prefix-cache", zero=True)
+
+
+def serving_loading(args: argparse.Namespace) -> dict:
+    """The target's loading options a server adds: on llama.cpp, cells for the prefix cache beside the context and
+    prompts on the row-exact kernels (unless --fast-prompts), so that a kept prefix holds what a fresh feed would."""
+    from assistgen.backends.loader import choose_backend
+
+    if choose_backend(args.model, **loading(args)) != "llama.cpp":
+        if args.fast_prompts:
+            raise ConfigError("--fast-prompts chooses llama.cpp's prompt kernels: it needs --backend llama.cpp "
+                              "(a GGUF model).")
+        return {}
+    return {"kept_bytes": prefix_bytes(args), "exact_prompts": not args.fast_prompts}
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """EngineSettings fields from the serve options given (the prefix cache: its default unless told)."""
+    given = {n: getattr(args, n) for n in ("max_batch", "max_queue", "prefill_budget") if getattr(args, n) is not None}
+    return {**given, "prefix_cache": prefix_bytes(args)}
 
 
 def serve_on_ray(args: argparse.Namespace) -> int:
     """`assistgen serve --replicas N`: the same server as N Ray Serve replicas (`serving/ray.py`)."""
     from assistgen.serving.ray import ReplicaOptions, ReplicaSpec, run
 
-    given = {n: getattr(args, n) for n in ("max_batch", "max_queue", "prefill_budget") if getattr(args, n) is not None}
-    spec = ReplicaSpec(args.model, loading(args), args.assistant, loading(args, assistant=True) if args.assistant
-                       else {}, args.lookup, args.early_exit or False, args.schedule, given, args.ngram_cache)
+    spec = ReplicaSpec(args.model, {**loading(args), **serving_loading(args)}, args.assistant,
+                       loading(args, assistant=True) if args.assistant else {}, args.lookup, args.early_exit or False,
+                       args.schedule, engine_options(args), args.ngram_cache,
+                       share_prefix_cache=args.share_prefix_cache, suffix=args.suffix)
     chosen = {n: getattr(args, n) for n in ("max_replicas", "target_ongoing_requests", "cpus_per_replica")
               if getattr(args, n) is not None}
     options = ReplicaOptions(replicas=args.replicas or 1, route_by_key=args.route_by_key, **chosen)

@@ -79,7 +79,7 @@ def loading(args: argparse.Namespace, assistant: bool = False) -> dict:
     return out
 
 
-def load_target_and_assistant(args: argparse.Namespace) -> tuple:
+def load_target_and_assistant(args: argparse.Namespace, extra: dict | None = None) -> tuple:
     """A command's target and its assistant (None without --assistant). With --max-memory the assistant is loaded
     first and stays resident: what it added (its anonymous memory and the file pages it maps, measured after its
     load's passes) is taken from the budget, and the target gets the rest."""
@@ -87,7 +87,7 @@ def load_target_and_assistant(args: argparse.Namespace) -> tuple:
     from assistgen.backends.budget import megabytes, parse_budget, resident
     from assistgen.backends.embedded import say
 
-    target = loading(args)
+    target = {**loading(args), **(extra or {})}  # (`extra`: the target's options a command adds)
     if not args.assistant:
         return load_model(args.model, **target), None
     before = resident()

@@ -37,6 +37,7 @@ from assistgen.backends.base import Cache, LanguageModel, shared_prefix
 from assistgen.config import ConfigError, GenerationConfig
 from assistgen.core.constraint import Constraint
 from assistgen.core.logprobs import TokenLogprob, token_logprobs
+from assistgen.core.prefix import PrefixCache
 from assistgen.core.sampling import Sampler, verify_greedy, verify_speculative
 from assistgen.core.text import TextStream
 from assistgen.drafters.base import Draft, Drafter, Proposal, drafters_of, first_draft
@@ -108,11 +109,17 @@ class GenerationState:
 
 
 def begin(target: LanguageModel, prompt_ids: list[int], drafter: Drafter, schedule: Schedule,
-          config: GenerationConfig) -> GenerationState:
-    """A generation ready for its first `step` (its prompt not yet fed); bad settings or prompts raise ConfigError."""
+          config: GenerationConfig, cache: Cache | None = None) -> GenerationState:
+    """A generation ready for its first `step` (its prompt not yet fed, or only the part after what `cache`, a cache
+    of the target holding a prefix of the prompt, already holds: `prefix.PrefixCache`); bad settings or prompts raise
+    ConfigError."""
     config.validate()
     context = context_limit(target, drafter)
     check_prompt(prompt_ids, target, context)
+    if cache is not None and not (len(cache) < len(prompt_ids) and cache.tokens == prompt_ids[: len(cache)]
+                                  and config.prompt_logprobs is None):
+        raise ValueError("begin: the cache given must hold a proper prefix of the prompt (and no prompt logprobs "
+                         "may be asked for: they need every prompt row)")
     eos = set(config.eos_token_ids if config.eos_token_ids is not None else target.eos_token_ids)
     drafters = drafters_of(drafter)
     constraint = None if config.structure is None else Constraint.begin(target, config.structure, eos)
@@ -122,19 +129,27 @@ def begin(target: LanguageModel, prompt_ids: list[int], drafter: Drafter, schedu
     run = schedule.prepare(target, drafters, len(prompt_ids), config.greedy, config.max_new_tokens)  # its state
     return GenerationState(target, list(prompt_ids), drafter, drafters, run, config, Sampler(config),
                            TextStream(target.tokenizer, config.stop),
-                           Stats(mode=drafter.name, prompt_tokens=len(prompt_ids)), eos, context,
-                           target.new_cache(), started, constraint=constraint)
+                           Stats(mode=drafter.name, prompt_tokens=len(prompt_ids),
+                                 cached_tokens=len(cache) if cache is not None else 0), eos, context,
+                           cache if cache is not None else target.new_cache(), started, constraint=constraint)
 
 
 def stream(
-    target: LanguageModel, prompt_ids: list[int], drafter: Drafter, schedule: Schedule, config: GenerationConfig
+    target: LanguageModel, prompt_ids: list[int], drafter: Drafter, schedule: Schedule, config: GenerationConfig,
+    prefix: PrefixCache | None = None, namespace: str | None = None,
 ) -> Iterator[Chunk]:
-    """One generation, chunk by chunk: `step` over a batch of one (the whole prompt fed at once)."""
-    state = begin(target, prompt_ids, drafter, schedule, config)
-    while state.finish is None:
-        chunk = step([state])[0]
-        if chunk is not None:
-            yield chunk
+    """One generation, chunk by chunk: `step` over a batch of one (the whole prompt fed at once, or what follows the
+    longest prefix `prefix` keeps for `namespace`; the generation's cache is given back to it at the end)."""
+    cache = prefix.take(prompt_ids, namespace) if prefix is not None and config.prompt_logprobs is None else None
+    state = begin(target, prompt_ids, drafter, schedule, config, cache)
+    try:
+        while state.finish is None:
+            chunk = step([state])[0]
+            if chunk is not None:
+                yield chunk
+    finally:
+        if prefix is not None:
+            prefix.give(state.cache, namespace)
 
 
 def step(states: list[GenerationState], prefill_budget: int | None = None) -> list[Chunk | None]:

@@ -29,6 +29,7 @@ from assistgen.backends.base import LanguageModel
 from assistgen.config import ConfigError, GenerationConfig
 from assistgen.core.constraint import compile_structure
 from assistgen.core.engine import Chunk, GenerationState, begin, step
+from assistgen.core.prefix import PrefixCache, check_capacity, default_capacity
 from assistgen.drafters.base import Drafter
 from assistgen.policy.schedules import Schedule
 
@@ -42,12 +43,19 @@ class EngineSettings:
     max_batch: int = 8  # requests stepped together
     max_queue: int = 64  # requests waiting to join; one more is refused with QueueFull
     prefill_budget: int = 256  # prompt tokens fed per step over all joining requests, so running streams keep flowing
+    # Bytes of finished requests' keys and values kept for prefix reuse (`core.prefix`); 0: none kept; None: the
+    # default (`prefix.default_capacity`). On llama.cpp the model's pool must have been loaded with as many cells beyond
+    # its context (`LlamaSettings.kept_bytes`, whose None is the same default).
+    prefix_cache: int | None = 0
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "prefill_budget"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        value = self.prefix_cache
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ConfigError(f"prefix_cache must be a number of bytes >= 0 (or None: the default), got {value!r}")
 
 
 _ids = itertools.count(1)
@@ -57,11 +65,12 @@ class Request:
     """One submitted request: its chunks arrive in order; the last one has `finish_reason` set."""
 
     def __init__(self, prompt_ids: list[int], config: GenerationConfig, on_chunk: Callable[[Chunk], None] | None,
-                 drafter: Drafter | None = None):
+                 drafter: Drafter | None = None, namespace: str | None = None):
         self.id = f"req-{next(_ids)}"
         self.prompt_ids = list(prompt_ids)
         self.config = config
         self.drafter = drafter  # None: the engine's make_drafter() makes one
+        self.namespace = namespace  # whose kept prefixes it may reuse and feed (None: none)
         self.error: str | None = None
         self.cancelled = threading.Event()
         self.done = threading.Event()
@@ -101,6 +110,7 @@ class BatchEngine:
         self.thread: threading.Thread | None = None
         self.largest_batch = 0  # the most requests stepped together so far
         self.finished = threading.Event()  # set when the loop has returned
+        self.prefix = prefix_cache_for(target, self.settings)  # touched by the engine thread only
 
     # --- the client side ----------------------------------------------------------------------------------
 
@@ -124,11 +134,14 @@ class BatchEngine:
         self._run()
 
     def submit(self, prompt_ids: list[int], config: GenerationConfig,
-               on_chunk: Callable[[Chunk], None] | None = None, drafter: Drafter | None = None) -> Request:
+               on_chunk: Callable[[Chunk], None] | None = None, drafter: Drafter | None = None,
+               namespace: str | None = None) -> Request:
+        """Queue a request; `namespace`: whose kept prefixes it reuses and whose it feeds (None: it neither reuses
+        nor leaves any)."""
         config.validate()
         if config.structure is not None:  # (a grammar that does not compile is the caller's error, raised here)
             compile_structure(self.target.tokenizer, self.target.vocab_size, config.structure)
-        request = Request(prompt_ids, config, on_chunk, drafter)
+        request = Request(prompt_ids, config, on_chunk, drafter, namespace)
         with self.lock:
             if not self.accepting:
                 raise QueueFull("The server is shutting down and accepts no new requests.")
@@ -196,35 +209,58 @@ class BatchEngine:
             for (request, _), chunk in zip(active, chunks, strict=True):
                 if chunk is not None:
                     request.deliver(chunk)
-            for _, s in active:
+            for request, s in active:
                 if s.finish is not None:
-                    free_rows(s)
+                    self._release(request, s)
             active = [(r, s) for r, s in active if s.finish is None]
             self.running = [r for r, _ in active]
 
     def _begin(self, request: Request) -> GenerationState | None:
-        """The request's sequence in the loop, or None (its error delivered) when it cannot start."""
+        """The request's sequence in the loop (from the longest prefix kept for its namespace), or None (its error
+        delivered) when it cannot start."""
+        cache = None
         try:
             drafter = request.drafter if request.drafter is not None else self.make_drafter()
-            return begin(self.target, request.prompt_ids, drafter, self.schedule, request.config)
+            if self.prefix is not None and request.namespace is not None and request.config.prompt_logprobs is None:
+                cache = self.prefix.take(request.prompt_ids, request.namespace)
+            return begin(self.target, request.prompt_ids, drafter, self.schedule, request.config, cache)
         except Exception as e:  # noqa: BLE001
+            if cache is not None:
+                cache.crop(0)
             request.error = f"{type(e).__name__}: {e}"
             request.deliver(Chunk([], "", "error"))
             return None
 
-    @staticmethod
-    def _cancelled(request: Request, sequence: GenerationState) -> bool:
-        """Whether the request was cancelled; its last chunk is then delivered and its rows are dropped."""
+    def _release(self, request: Request, sequence: GenerationState) -> None:
+        """A finished request's cache: kept for its namespace's next requests, or its rows given back now."""
+        if self.prefix is not None and request.namespace is not None:
+            self.prefix.give(sequence.cache, request.namespace)
+        else:
+            free_rows(sequence)
+
+    def _cancelled(self, request: Request, sequence: GenerationState) -> bool:
+        """Whether the request was cancelled; its last chunk is then delivered and its rows are released."""
         if not request.cancelled.is_set():
             return False
-        free_rows(sequence)
+        self._release(request, sequence)
         sequence.stats.finish_reason = "cancelled"
         request.deliver(Chunk([], "", "cancelled", sequence.stats))
         return True
 
 
+def prefix_cache_for(target: LanguageModel, settings: EngineSettings) -> PrefixCache | None:
+    """The engine's prefix cache (None when `settings.prefix_cache` is 0): at most `prefix_cache` bytes, and on a
+    backend with a bounded number of sequences as many entries as leave room for a full batch and its forks."""
+    capacity = default_capacity(target) if settings.prefix_cache is None else settings.prefix_cache
+    if not capacity:
+        return None
+    check_capacity(target, capacity)
+    limit = target.max_sequences
+    entries = None if limit is None else max(1, limit - 2 * settings.max_batch)
+    return PrefixCache(target, capacity, entries)
+
+
 def free_rows(sequence: GenerationState) -> None:
-    """Give back a finished sequence's cache rows now, not when it is garbage collected: on a backend whose
-    sequences share one pool of cells (llama.cpp), rows freed late leave holes below the running sequences'
-    rows, and a running sequence's next rows would land below its earlier ones."""
+    """Give back a finished sequence's cache rows now, not when it is garbage collected (on llama.cpp its cells and
+    its sequence id go back to the pool)."""
     sequence.cache.crop(0)

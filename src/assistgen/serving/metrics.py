@@ -17,7 +17,7 @@ server as chunks arrive (`step`) and requests end (`finished`). `spec_decode_met
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from assistgen.core.engine import Chunk
 from assistgen.serving.batching import BatchEngine
@@ -35,6 +35,18 @@ class EngineGauges:
                                 value=self.engine.num_running)
         yield GaugeMetricFamily("assistgen:num_requests_waiting", "Requests waiting to join.",
                                 value=self.engine.num_waiting)
+        prefix = self.engine.prefix
+        if prefix is not None:  # (read without the engine's lock: counters only grow, a scrape may be a step behind)
+            yield CounterMetricFamily("assistgen:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      value=prefix.queries)
+            yield CounterMetricFamily("assistgen:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                      value=prefix.hits)
+            yield CounterMetricFamily("assistgen:prefix_cache_evictions", "Kept prefixes dropped for room.",
+                                      value=prefix.evictions)
+            yield GaugeMetricFamily("assistgen:prefix_cache_bytes", "Bytes of keys and values kept for reuse.",
+                                    value=prefix.kept_bytes)
+            yield GaugeMetricFamily("assistgen:prefix_cache_capacity_bytes", "The prefix cache's bound.",
+                                    value=prefix.capacity)
 
 
 class Metrics:

@@ -55,6 +55,8 @@ class ReplicaSpec:
     engine: dict = field(default_factory=dict)  # EngineSettings fields
     ngram_cache: bool = False
     max_tokens_limit: int | None = None
+    share_prefix_cache: bool = False
+    suffix: bool = False
 
 
 @dataclass(frozen=True)
@@ -157,11 +159,13 @@ def build_server(spec: ReplicaSpec):
 
     target = load_model(spec.model, **spec.loading)
     assistant = load_model(spec.assistant, **spec.assistant_loading) if spec.assistant else None
-    drafters = partial(make_drafter, target, assistant, spec.lookup, spec.early_exit)
+    drafters = partial(make_drafter, target, assistant, spec.lookup, spec.early_exit, suffix=spec.suffix)
     schedule = as_schedule(spec.schedule) if spec.schedule is not None else default_schedule()
     engine = BatchEngine(target, drafters, schedule, EngineSettings(**spec.engine))
     app = create_app(engine, ServerSettings(model_name=spec.model, ngram_cache=spec.ngram_cache,
-                                            max_tokens_limit=spec.max_tokens_limit), drafters)
+                                            max_tokens_limit=spec.max_tokens_limit,
+                                            share_prefix_cache=spec.share_prefix_cache, suffix=spec.suffix),
+                     drafters)
     return app, engine
 
 

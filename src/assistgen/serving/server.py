@@ -13,8 +13,8 @@ A client mistake answers 4xx with OpenAI's error body (400 bad input, 404 unknow
 shutting down), anything else 500 with the same body. A client that goes away mid-generation (streamed or not)
 has its engine requests cancelled. Responses carry, besides OpenAI's fields, `metrics.speculative_decoding`
 (`metrics.spec_decode_metrics`, added up over the choices). The n-gram
-cache across requests is off unless `ServerSettings.ngram_cache`; then a request draws on (and feeds)
-the cache of its API key (the bearer token; no key: a cache of its own), never another's.
+cache across requests is off unless `ServerSettings.ngram_cache` (suffix drafting's history: `suffix`); then a
+request draws on (and feeds) the cache of its API key (the bearer token; no key: a cache of its own), never another's.
 `serve(engine, settings, host, port)` starts the engine and runs uvicorn until SIGINT/SIGTERM, then lets
 running requests finish (`ServerSettings.shutdown_timeout`) and returns 0 (`assistgen serve`, in
 `cli/main.py`, loads the model(s) and builds the engine).
@@ -70,6 +70,8 @@ DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its cli
 class ServerSettings:
     model_name: str  # the name clients give as "model" (requests naming another get 404)
     ngram_cache: bool = False  # an n-gram cache across requests, one per API key
+    suffix: bool = False  # suffix drafting over the request and its API key's earlier requests
+    share_prefix_cache: bool = False  # kept prefixes serve every request, whatever its key (default: its key's only)
     max_tokens_limit: int | None = None  # the most new tokens a request may ask for (None: no limit)
     shutdown_timeout: float = 30.0  # seconds running requests get to finish on shutdown
 
@@ -112,8 +114,10 @@ class Job:
     @property
     def usage(self) -> dict:
         n = len(self.prompt_ids)
+        stats = self.last.stats if self.last is not None else None
         return {"prompt_tokens": n, "completion_tokens": self.completion_tokens,
-                "total_tokens": n + self.completion_tokens}
+                "total_tokens": n + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": stats.cached_tokens if stats is not None else 0}}
 
 
 def chunk_sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[Chunk], None]:
@@ -139,7 +143,30 @@ def ngram_namespace(key: str | None) -> str | NGramCache:
     """The n-gram cache namespace of an API key (hashed: no key is kept); no key: a throwaway cache."""
     if key is None:
         return NGramCache()
+    return key_namespace(key)
+
+
+def drafter_for(state: AppState, key: str | None) -> Drafter | None:
+    """A request's own drafter when what it drafts from depends on its API key (the n-gram cache, suffix drafting's
+    history: the key's, nothing shared without one); None: the engine's."""
+    given: dict = {}
+    if state.settings.ngram_cache:
+        given["ngram_cache"] = ngram_namespace(key)
+    if state.settings.suffix and key is not None:
+        given["suffix"] = key_namespace(key)
+    return state.make_drafter(**given) if given else None
+
+
+def key_namespace(key: str) -> str:
     return "api-key:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def prefix_namespace(state: AppState, key: str | None) -> str | None:
+    """Whose kept prefixes a request reuses and feeds: its API key's (hashed); None without a key (nothing kept);
+    one namespace for all when the operator shares the prefix cache."""
+    if state.settings.share_prefix_cache:
+        return "shared"
+    return None if key is None else key_namespace(key)
 
 
 def check_model(state: AppState, name: str | None) -> None:
@@ -177,11 +204,11 @@ def submit(state: AppState, body: Sampling, prompts: list[list[int]], http: HTTP
 
 def submit_one(state: AppState, prompt_ids: list[int], config, http: HTTPRequest) -> Job:
     job = Job(prompt_ids, asyncio.Queue(), time.perf_counter())
-    drafter = (state.make_drafter(ngram_cache=ngram_namespace(api_key(http))) if state.settings.ngram_cache
-               else None)
+    key = api_key(http)
+    drafter = drafter_for(state, key)
     try:
         job.request = state.engine.submit(prompt_ids, config, chunk_sink(asyncio.get_running_loop(), job.queue),
-                                          drafter=drafter)
+                                          drafter=drafter, namespace=prefix_namespace(state, key))
     except QueueFull as e:
         if state.closing:
             raise APIError(503, "The server is shutting down.", "service_unavailable") from e
@@ -244,7 +271,10 @@ def failure(job: Job) -> APIError | None:
 
 def usage(jobs: list[Job]) -> dict:
     parts = [job.usage for job in jobs]
-    return {k: sum(p[k] for p in parts) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    total = {k: sum(p[k] for p in parts) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    total["prompt_tokens_details"] = {"cached_tokens": sum(p["prompt_tokens_details"]["cached_tokens"]
+                                                           for p in parts)}
+    return total
 
 
 def reply_metrics(jobs: list[Job]) -> dict:
@@ -444,8 +474,9 @@ def create_app(engine: BatchEngine, settings: ServerSettings,
     `make_drafter(ngram_cache=...)` gives a fresh drafter drawing on that n-gram cache; it is needed only
     with `settings.ngram_cache` (without it every request gets the engine's own drafter).
     """
-    if settings.ngram_cache and make_drafter is None:
-        raise ConfigError("ngram_cache needs make_drafter(ngram_cache=...) to give each API key its cache.")
+    if (settings.ngram_cache or settings.suffix) and make_drafter is None:
+        raise ConfigError("ngram_cache and suffix need make_drafter(ngram_cache=..., suffix=...) to give each API key "
+                          "its own.")
     state = AppState(engine, settings, make_drafter, context_limit(engine.target, engine.make_drafter()),
                      Metrics(engine))
 

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from assistgen.backends.budget import check_model_budget, parse_budget, resident
 from assistgen.backends.embedded import EMBEDDED, ModelLoadError, say
-from assistgen.backends.llamacpp.model import DEFAULT_CONTEXT, LlamaModel, LlamaSettings
+from assistgen.backends.llamacpp.model import DEFAULT_CONTEXT, LlamaModel, LlamaSettings, cell_bytes
+from assistgen.config import DEFAULT_PREFIX_CACHE
 from assistgen.paths import cache_root, replaced_atomically, safe_name
 
 INSTALL = "pip install 'assistgen[llamacpp]' (it compiles llama.cpp: about 25 minutes on 2 cores)"
@@ -72,8 +73,12 @@ def load(spec: str, settings: LlamaSettings | None = None) -> LlamaModel:
                              "does not run, load it with backend='torch' (--backend torch).")
     trained = lib.llama_model_n_ctx_train(model_ptr)
     context = settings.context or min(trained, DEFAULT_CONTEXT)
+    per_cell = cell_bytes(lib, model_ptr)
+    settings = replace(settings, context=context, kept_bytes=max(DEFAULT_PREFIX_CACHE, context * per_cell)
+                       if settings.kept_bytes is None else settings.kept_bytes)
+    kept = settings.kept_bytes // per_cell  # cells for finished sequences kept for reuse
     cparams = lib.llama_context_default_params()
-    cparams.n_ctx = context
+    cparams.n_ctx = context + kept
     cparams.n_batch = context  # any one feed of a sequence fits one llama_decode
     cparams.n_ubatch = min(settings.ubatch, context)
     cparams.n_seq_max = settings.sequences

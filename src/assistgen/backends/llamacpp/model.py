@@ -2,9 +2,15 @@
 
 Contract: `LlamaModel` implements `backends.base.LanguageModel` over one llama.cpp model and one context
 (llama-cpp-python's low-level API). The context holds `settings.sequences` sequences that share one
-pool of `settings.context` KV cells (a unified KV buffer: a fork is a metadata copy); each `LlamaCache` owns
-one sequence id, taken from the model's pool when it is made and given back (its cells removed) when it
-is dropped. `feed_together` is one `llama_decode` over a `llama_batch` that holds every feed's rows, each
+pool of KV cells (a unified KV buffer: a fork is a metadata copy): `settings.context` for the running sequences and
+`settings.kept_bytes` more for finished ones kept for prefix reuse; one sequence holds at most `settings.context`
+positions. Each `LlamaCache` owns one sequence id, taken from the model's pool when it is made and given back (its
+cells removed) when it is dropped. On `make llamacpp`'s build (its patch to llama.cpp's slot search) a sequence's new
+cells always go after the last cell it holds, so its cells lie in the order of their positions whatever the other
+sequences did: attention sums over cells in cell order, so a sequence's logits do not depend on what shares the
+pool. When no free cell lies after a sequence's last one, every sequence is packed down (`_compact`: saved and
+restored through llama.cpp's sequence state, bits unchanged, order kept) and the pass retried once.
+`feed_together` is one `llama_decode` over a `llama_batch` that holds every feed's rows, each
 with its own sequence id and positions, logits asked only for the rows kept, on the row-exact kernels where the
 build has them (`row_exact`); a feed with rows that need no logits (a prompt) is decoded alone first, on the
 fastest kernels unless `settings.exact_prompts`. It returns the logits as float32
@@ -58,6 +64,10 @@ class LlamaSettings:
     # Bytes the model may keep resident (`backends.budget`): the weights stay memory-mapped from the file and are never
     # copied (repack off: repacked layouts are anonymous copies), so what does not fit is read again per pass.
     max_memory: int | None = None
+    # Bytes of KV cells the pool holds beyond `context`, for finished sequences kept for prefix reuse
+    # (`core.prefix.PrefixCache`), so that the running sequences keep at least `context` cells; None: the server's
+    # default prefix cache (config.DEFAULT_PREFIX_CACHE, or one full context where that is more).
+    kept_bytes: int | None = 0
 
     def thread_count(self) -> int:
         import os
@@ -89,7 +99,10 @@ class LlamaModel:
         self._memory = lib.llama_get_memory(context_ptr)
         self._vocab = lib.llama_model_get_vocab(model_ptr)
         self._n_vocab = lib.llama_vocab_n_tokens(self._vocab)
-        self._n_ctx = lib.llama_n_ctx_seq(context_ptr)  # the positions one sequence may hold (unified: all cells)
+        self.cells = lib.llama_n_ctx(context_ptr)  # KV cells in the pool, shared by every sequence
+        self.cell_bytes = cell_bytes(lib, model_ptr)  # the keys and values of one cell, all layers
+        self._n_ctx = min(settings.context or self.cells, self.cells)  # the positions one sequence may hold (the pool
+        # holds `settings.kept_bytes` more for kept sequences)
         self._n_batch = lib.llama_n_batch(context_ptr)
         self._eos = tuple(i for i in range(self._n_vocab) if lib.llama_vocab_is_eog(self._vocab, i))
         self._free_seqs = list(range(settings.sequences - 1, -1, -1))
@@ -126,6 +139,14 @@ class LlamaModel:
     @property
     def weight_bytes(self) -> int:
         return int(self.lib.llama_model_size(self._model))
+
+    @property
+    def max_sequences(self) -> int:
+        return self.settings.sequences
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.cell_bytes
 
     @property
     def max_memory(self) -> int | None:
@@ -215,9 +236,12 @@ class LlamaModel:
                 self._switch(exact)
             self._batch.fill([(cache.seq, len(cache), ids, keep) for cache, ids, keep in feeds])
             rc = self.lib.llama_decode(self._ctx, self._batch.struct)
+            if rc == 1:  # no free cell after some sequence's last one: pack every sequence down, then once more
+                self._forget_partial(feeds)
+                self._compact()
+                rc = self.lib.llama_decode(self._ctx, self._batch.struct)
             if rc != 0:
-                for cache, _, _ in feeds:  # whatever part of the batch was stored is taken out again
-                    self.lib.llama_memory_seq_rm(self._memory, cache.seq, len(cache), -1)
+                self._forget_partial(feeds)
                 if rc == 1:
                     raise LlamaCapacityError(
                         f"The llama.cpp context of {self.name} has no room for {self._batch.rows} more KV cells "
@@ -230,6 +254,30 @@ class LlamaModel:
         for cache, ids, _ in feeds:
             cache.tokens.extend(ids)
         return list(table.split(keeps))
+
+    def _forget_partial(self, feeds: list[Feed]) -> None:
+        """Take out whatever part of a failed batch llama.cpp stored (under the lock)."""
+        for cache, _, _ in feeds:
+            self.lib.llama_memory_seq_rm(self._memory, cache.seq, len(cache), -1)
+
+    def _compact(self) -> None:
+        """Move every live sequence's cells down to the lowest free ones, each in its own order (under the lock).
+        A sequence's new cells go after its last one (the patched build's placement keeps each sequence's cells in
+        position order, which attention's summation follows); once the pool's top is taken, cells freed below are
+        reached by saving each sequence's cells and restoring them packed. Cells shared by forks are copied apart."""
+        lib, ctx = self.lib, self._ctx
+        live = [seq for seq in sorted(set(range(self.settings.sequences)) - set(self._free_seqs))
+                if lib.llama_memory_seq_pos_max(self._memory, seq) >= 0]  # (those holding cells)
+        saved = []
+        for seq in live:
+            size = lib.llama_state_seq_get_size(ctx, seq)
+            buffer = (ctypes.c_uint8 * size)()
+            saved.append((seq, buffer, lib.llama_state_seq_get_data(ctx, buffer, size, seq)))
+        for seq in live:
+            lib.llama_memory_seq_rm(self._memory, seq, -1, -1)
+        for seq, buffer, size in saved:
+            if lib.llama_state_seq_set_data(ctx, buffer, size, seq) != size:
+                raise RuntimeError(f"llama.cpp could not restore a sequence of {self.name} while packing its cells")
 
 
 class LlamaCache:
@@ -246,6 +294,10 @@ class LlamaCache:
 
     def clock(self) -> float:
         return time.perf_counter()
+
+    def nbytes(self) -> int:
+        """The bytes of KV cells this sequence holds."""
+        return len(self.tokens) * self.model.cell_bytes
 
     def feed(self, ids: list[int], logits_to_keep: int = 1) -> torch.Tensor:
         """Append `ids`; return the logits [logits_to_keep, vocab] of the last `logits_to_keep` of them."""
@@ -318,6 +370,23 @@ def kernel_switch(lib):
         return None
     switch.argtypes, switch.restype = [ctypes.c_bool], None
     return switch
+
+
+def cell_bytes(lib, model_ptr) -> int:
+    """The bytes one KV cell takes over all layers (f16 keys and values), from the GGUF's attention sizes."""
+    def meta(key: str) -> int | None:
+        arch = lib.llama_model_meta_val_str(model_ptr, b"general.architecture", buffer := ctypes.create_string_buffer(
+            256), 256)
+        if arch < 0:
+            return None
+        size = lib.llama_model_meta_val_str(model_ptr, f"{buffer.value.decode()}.{key}".encode(), buffer, 256)
+        return int(buffer.value) if size > 0 and buffer.value.isdigit() else None
+
+    layers = lib.llama_model_n_layer(model_ptr)
+    heads = lib.llama_model_n_head(model_ptr)
+    kv_heads = lib.llama_model_n_head_kv(model_ptr)
+    head = lib.llama_model_n_embd(model_ptr) // max(1, heads)
+    return 2 * layers * kv_heads * ((meta("attention.key_length") or head) + (meta("attention.value_length") or head))
 
 
 def _groups(feeds: list[Feed], capacity: int) -> list[list[Feed]]:

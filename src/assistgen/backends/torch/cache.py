@@ -38,6 +38,10 @@ class KVCache:
         """Seconds on a monotonic clock once this cache's device has finished its queued work."""
         return clock(self.device)
 
+    def nbytes(self) -> int:
+        """The bytes its key and value buffers take (preallocated: at least what its positions need)."""
+        return sum(t.numel() * t.element_size() for t in (*self.kv.keys, *self.kv.values) if t is not None)
+
     def feed(self, ids: list[int], logits_to_keep: int = 1) -> torch.Tensor:
         """Append `ids` to the cache; return the logits of the last `logits_to_keep` of them.
 

@@ -40,6 +40,7 @@ class Model:
     max_memory: int | None = None  # the budget its weights were offloaded under (`offload.py`), bytes; None: none
     capabilities: Capabilities = field(init=False)
     backend = "torch"
+    max_sequences = None  # each cache has buffers of its own
 
     def __post_init__(self):
         self.capabilities = Capabilities(first_layers=layers.has_decoder_layers(self.hf))
@@ -83,6 +84,15 @@ class Model:
     def weight_bytes(self) -> int:
         """Bytes of parameters and buffers (quantized weights are buffers, so they count as what they are)."""
         return sum(t.numel() * t.element_size() for t in (*self.hf.parameters(), *self.hf.buffers()))
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Keys and values of one position over all layers, in the model's dtype (what `KVCache` buffers hold)."""
+        text = self.hf.config.get_text_config(decoder=True)
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        return 2 * text.num_hidden_layers * kv_heads * head_dim * torch.finfo(self.dtype).bits // 8
 
     def new_cache(self) -> KVCache:
         return KVCache(self)

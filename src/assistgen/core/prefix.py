@@ -1,0 +1,125 @@
+"""Prefix reuse across generations: the caches of finished generations, kept so that the next ones feed only what
+is new.
+
+Contract: `PrefixCache(model, capacity, max_entries)` keeps target caches (`backends.base.Cache`) of `model` whose
+generations have finished, each under a namespace: an entry serves only generations of its own namespace (a server
+passes one per API key, so that a conversation's keys and values never reach another key's request unless the
+operator shares one namespace). `capacity` bounds the bytes the kept caches hold (`Cache.nbytes()`) and
+`max_entries` their number; past either, the least recently used entries are dropped (their memory given back).
+`take(ids, namespace)` returns a cache holding the longest kept prefix of `ids` (at most len(ids) - 1 tokens:
+the loop feeds at least the last one) and removes its entry, or forks it when the request shares only part of it
+(so that the entry still serves the others that share it); None when nothing kept shares a token with `ids` or
+the entry's namespace differs. `give(cache, namespace)` keeps a finished generation's cache (its `tokens` are
+what its keys and values were computed from, whatever was emitted). A cache's keys and values depend only on its
+tokens (on llama.cpp's row-exact build: prompts computed on the row-exact kernels, `LlamaSettings.exact_prompts`),
+so a generation continued from a kept prefix computes what it computes from an empty cache. Counters follow
+vLLM's prefix-cache metrics: `queries` (prompt tokens looked up), `hits` (tokens found), `evictions`. Not
+thread-safe: the serving engine's thread or a single caller owns it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from assistgen.backends.base import Cache, LanguageModel, shared_prefix
+from assistgen.config import DEFAULT_PREFIX_CACHE, ConfigError
+
+
+@dataclass
+class Entry:
+    cache: Cache
+    namespace: str | None
+    nbytes: int
+
+
+@dataclass
+class PrefixCache:
+    model: LanguageModel
+    capacity: int  # bytes the kept caches may hold
+    max_entries: int | None = None  # None: only the bytes bound
+    entries: OrderedDict[int, Entry] = field(default_factory=OrderedDict)  # least recently used first
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of them, found in a kept cache
+    evictions: int = 0
+    kept_bytes: int = 0  # what the entries hold now
+    _next: int = 0
+
+    def __post_init__(self):
+        if isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 0:
+            raise ConfigError(f"The prefix cache's capacity must be a number of bytes >= 0, got {self.capacity!r}.")
+
+    def take(self, ids: list[int], namespace: str | None = None) -> Cache | None:
+        """A cache holding the longest kept prefix of `ids` (cut to at most len(ids) - 1 tokens), or None."""
+        self.queries += len(ids)
+        best, length = None, 0
+        for key, entry in self.entries.items():
+            if entry.namespace == namespace:
+                n = min(shared_prefix(entry.cache.tokens, ids), len(ids) - 1)
+                if n > length:
+                    best, length = key, n
+        if best is None:
+            return None
+        entry = self.entries[best]
+        if length < len(entry.cache.tokens):  # the rest may serve others: a fork, cut to what is shared
+            try:
+                cache = entry.cache.fork()
+            except ValueError:  # (no sequence left on the backend: hand the entry over instead)
+                cache = self._remove(best)
+            else:
+                self.entries.move_to_end(best)
+        else:
+            cache = self._remove(best)
+        cache.crop(length)
+        self.hits += length
+        return cache
+
+    def give(self, cache: Cache, namespace: str | None = None) -> None:
+        """Keep a finished generation's cache (dropping the least recently used entries past the bounds)."""
+        nbytes = cache.nbytes()
+        if not len(cache) or nbytes > self.capacity:
+            cache.crop(0)
+            return
+        for key, entry in list(self.entries.items()):  # a kept prefix of this one is superseded by it
+            if entry.namespace == namespace and shared_prefix(entry.cache.tokens, cache.tokens) == len(entry.cache):
+                self._remove(key).crop(0)
+        self.entries[self._next] = Entry(cache, namespace, nbytes)
+        self.kept_bytes += nbytes
+        self._next += 1
+        self.make_room(0)
+
+    def make_room(self, nbytes: int, entries: int = 0) -> None:
+        """Drop the least recently used entries until `nbytes` more bytes and `entries` more entries fit."""
+        while self.entries and (self.kept_bytes + nbytes > self.capacity or (
+                self.max_entries is not None and len(self.entries) + entries > self.max_entries)):
+            self._remove(next(iter(self.entries))).crop(0)
+            self.evictions += 1
+
+    def clear(self) -> None:
+        while self.entries:
+            self._remove(next(iter(self.entries))).crop(0)
+
+    def _remove(self, key: int) -> Cache:
+        entry = self.entries.pop(key)
+        self.kept_bytes -= entry.nbytes
+        return entry.cache
+
+
+def default_capacity(model: LanguageModel) -> int:
+    """config.DEFAULT_PREFIX_CACHE, or one sequence of the model's full context where that is more."""
+    return max(DEFAULT_PREFIX_CACHE, sequence_bytes(model))
+
+
+def sequence_bytes(model: LanguageModel) -> int:
+    """The keys and values of one sequence as long as the model's context."""
+    return (model.context_length or 0) * model.kv_bytes_per_token
+
+
+def check_capacity(model: LanguageModel, capacity: int) -> None:
+    """Refuse a prefix cache that cannot hold one sequence of the model's full context."""
+    needed = sequence_bytes(model)
+    if 0 < capacity < needed:
+        raise ConfigError(
+            f"A prefix cache of {capacity / 2**20:.0f} MiB cannot hold one sequence of {model.name}'s context "
+            f"({model.context_length} tokens x {model.kv_bytes_per_token} bytes of keys and values = "
+            f"{needed / 2**20:.0f} MiB): give at least {-(-needed // 2**20)}MB (--prefix-cache), or 0 to keep none.")
