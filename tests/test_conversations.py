@@ -28,7 +28,7 @@ STORIES = [f"Write a short story about a {a} and a {b}." for a, b in
 @pytest.fixture(scope="module")
 def smol_llama():
     """As `assistgen serve` loads it: prompts on the row-exact kernels, cells kept beside the context."""
-    return load_model("smollm2-135m", backend="llama.cpp", exact_prompts=True, kept_bytes=None)
+    return load_model("smollm2-135m", backend="llama.cpp", exact_prompts=True, kept_bytes="auto")
 
 
 @pytest.fixture(scope="module")
@@ -199,13 +199,13 @@ def test_a_session_and_a_conversation_keep_their_cache_between_calls(smol_llama,
 
 @pytest.mark.integration
 def test_the_server_reuses_a_keys_prefix_and_answers_as_a_fresh_request():
-    """`assistgen serve --backend llama.cpp` with the official client: a key's second turn reports cached prompt
-    tokens and the text another key gets for the same messages from scratch; /metrics counts the hits; a prefix
-    cache too small for one sequence is refused at start-up."""
+    """`assistgen serve --backend llama.cpp --lookup --suffix` with the official client: a key's second turn reports
+    cached prompt tokens, drafts, and gives the text another key gets for the same messages from scratch; /metrics
+    counts the hits; a prefix cache too small for one sequence is refused at start-up."""
     import httpx
     import openai
 
-    process, port = start_serve_command("--model", "smollm2-135m", "--backend", "llama.cpp", "--lookup")
+    process, port = start_serve_command("--model", "smollm2-135m", "--backend", "llama.cpp", "--lookup", "--suffix")
     try:
         url = f"http://127.0.0.1:{port}/v1"
         alice = openai.OpenAI(base_url=url, api_key="alice", timeout=60, max_retries=0)
@@ -217,6 +217,7 @@ def test_the_server_reuses_a_keys_prefix_and_answers_as_a_fresh_request():
                      {"role": "user", "content": "Now make it reverse in place."}]
         second = alice.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=48)
         assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+        assert second.model_extra["metrics"]["speculative_decoding"]["num_accepted_draft_tokens"] > 0
         stream = bob.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=48, stream=True,
                                              stream_options={"include_usage": True})
         events = list(stream)

@@ -131,6 +131,7 @@ def test_every_drafter_gives_plain_decodings_tokens(smol, smol_torch, text):
              {"ngram_cache": f"llama-{text[:8]}", "schedule": Constant(3)},
              {"assistant": smol, "schedule": Constant(3)},  # a llama.cpp assistant
              {"assistant": smol_torch, "schedule": Constant(3)},  # a torch assistant for a llama.cpp target
+             {"suffix": True, "schedule": Constant(4)},
              {"lookup": True}]  # the adaptive policy
     for kwargs in cases:
         ours = generate(smol, ids, max_new_tokens=40, **kwargs)

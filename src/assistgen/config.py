@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-DEFAULT_PREFIX_CACHE = 512 * 2**20  # bytes of finished requests' keys and values a server keeps for reuse (at least
+DEFAULT_PREFIX_CACHE = 256 * 2**20  # bytes of finished requests' keys and values a server keeps for reuse (at least
 # one sequence of the model's full context): several conversations of a small model
 MAX_LOGPROBS = 20  # the most alternatives a generation may ask for per token (OpenAI's and vLLM's bound)
 STRUCTURES = ("json_object", "json_schema", "regex", "grammar")  # what `Structure.kind` may name

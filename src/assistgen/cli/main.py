@@ -112,7 +112,7 @@ def add_serve(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens fed per step over all joining requests, beside the running streams' rows")
     p.add_argument("--prefix-cache", metavar="BYTES",
                    help="finished requests' keys and values kept so that a request reuses its longest cached prefix "
-                        "(e.g. 1GB; 0: none; default 512MB, or one full context where that is more)")
+                        "(e.g. 1GB; 0: none; default 256MiB, or one full context where that is more)")
     p.add_argument("--share-prefix-cache", action="store_true",
                    help="kept prefixes serve every request (default: only requests with the same API key)")
     p.add_argument("--fast-prompts", action="store_true",
@@ -249,7 +249,8 @@ def serving_loading(args: argparse.Namespace) -> dict:
             raise ConfigError("--fast-prompts chooses llama.cpp's prompt kernels: it needs --backend llama.cpp "
                               "(a GGUF model).")
         return {}
-    return {"kept_bytes": prefix_bytes(args), "exact_prompts": not args.fast_prompts}
+    given = prefix_bytes(args)
+    return {"kept_bytes": "auto" if given is None else given, "exact_prompts": not args.fast_prompts}
 
 
 def engine_options(args: argparse.Namespace) -> dict:

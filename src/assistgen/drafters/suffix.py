@@ -138,4 +138,4 @@ def suffix_continuation(earlier: np.ndarray, sequence: np.ndarray, k: int, max_d
         token = best[0] if len(best) == 1 else following[np.isin(following, best)][-1]  # (tie: most recent)
         draft.append(int(token))
         occurrences = occurrences[following == token]
-    return draft, longest
+    return draft, (longest if draft else 0)

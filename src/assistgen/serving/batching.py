@@ -45,7 +45,7 @@ class EngineSettings:
     prefill_budget: int = 256  # prompt tokens fed per step over all joining requests, so running streams keep flowing
     # Bytes of finished requests' keys and values kept for prefix reuse (`core.prefix`); 0: none kept; None: the
     # default (`prefix.default_capacity`). On llama.cpp the model's pool must have been loaded with as many cells beyond
-    # its context (`LlamaSettings.kept_bytes`, whose None is the same default).
+    # its context (`LlamaSettings.kept_bytes`, whose "auto" is the same default).
     prefix_cache: int | None = 0
 
     def __post_init__(self):

@@ -74,8 +74,12 @@ def load(spec: str, settings: LlamaSettings | None = None) -> LlamaModel:
     trained = lib.llama_model_n_ctx_train(model_ptr)
     context = settings.context or min(trained, DEFAULT_CONTEXT)
     per_cell = cell_bytes(lib, model_ptr)
+    if settings.kept_bytes != "auto" and (isinstance(settings.kept_bytes, bool) or
+                                          not isinstance(settings.kept_bytes, int) or settings.kept_bytes < 0):
+        lib.llama_model_free(model_ptr)
+        raise ModelLoadError(f"kept_bytes must be a number of bytes >= 0 or 'auto', got {settings.kept_bytes!r}.")
     settings = replace(settings, context=context, kept_bytes=max(DEFAULT_PREFIX_CACHE, context * per_cell)
-                       if settings.kept_bytes is None else settings.kept_bytes)
+                       if settings.kept_bytes == "auto" else settings.kept_bytes)
     kept = settings.kept_bytes // per_cell  # cells for finished sequences kept for reuse
     cparams = lib.llama_context_default_params()
     cparams.n_ctx = context + kept

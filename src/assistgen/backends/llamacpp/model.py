@@ -65,9 +65,9 @@ class LlamaSettings:
     # copied (repack off: repacked layouts are anonymous copies), so what does not fit is read again per pass.
     max_memory: int | None = None
     # Bytes of KV cells the pool holds beyond `context`, for finished sequences kept for prefix reuse
-    # (`core.prefix.PrefixCache`), so that the running sequences keep at least `context` cells; None: the server's
+    # (`core.prefix.PrefixCache`), so that the running sequences keep at least `context` cells; "auto": the server's
     # default prefix cache (config.DEFAULT_PREFIX_CACHE, or one full context where that is more).
-    kept_bytes: int | None = 0
+    kept_bytes: int | str = 0
 
     def thread_count(self) -> int:
         import os
