@@ -1,8 +1,9 @@
 """Multi-turn conversations against OpenAI-compatible servers: `assistgen serve` and `llama-server`, the same client.
 
-Contract: for each configuration (assistgen: plain, lookup, ngram, lookup-ngram, each optionally with
-`--assistgen-flags`; llama.cpp's `llama-server` (`--llama-server BIN`): llama, llama-ngram (`--spec-type
-ngram-simple`), llama-ngram-mod) it starts the server on a free 127.0.0.1 port and replays the conversations of
+Contract: for each configuration (assistgen: plain, lookup, ngram, lookup-ngram, suffix (with lookup and ngram), each
+optionally with `--assistgen-flags`; llama.cpp's `llama-server` (`--llama-server BIN`): llama, llama-ngram
+(`--spec-type ngram-simple`), llama-ngram-mod) it starts a fresh server on a free 127.0.0.1 port for each round and
+replays the conversations of
 `--conversations` (benchmarks/conversations.json: code edits, config edits, text rewrites, follow-up questions; 3
 turns each) as a chat client does: each turn sends the whole conversation so far, the server's own earlier replies
 included, as one streamed greedy chat completion through the official `openai` client (AsyncOpenAI), each
@@ -32,7 +33,7 @@ import openai
 from serve_load import free_port, gguf_of, peak_rss_mb, percentile, start_server, stop_server
 
 ASSISTGEN = {"plain": [], "lookup": ["--lookup"], "ngram": ["--ngram-cache"],
-             "lookup-ngram": ["--lookup", "--ngram-cache"]}
+             "lookup-ngram": ["--lookup", "--ngram-cache"], "suffix": ["--suffix", "--lookup", "--ngram-cache"]}
 LLAMA_SERVER = {"llama": [], "llama-ngram": ["--spec-type", "ngram-simple"],
                 "llama-ngram-mod": ["--spec-type", "ngram-mod"]}
 HERE = Path(__file__).resolve().parent
@@ -173,17 +174,17 @@ def main(argv: list[str] | None = None) -> int:
     conversations = json.loads(args.conversations.read_text())[: args.first]
     rows, replies = [], {}
     for config in args.configs:
-        port = free_port()
-        process = start_server(server_command(args, config, port), port, args.start_timeout)
-        try:
-            for clients in args.clients:
+        for clients in args.clients:  # (a fresh server per round: nothing cached from the round before)
+            port = free_port()
+            process = start_server(server_command(args, config, port), port, args.start_timeout)
+            try:
                 result = asyncio.run(run_round(f"http://127.0.0.1:{port}", args, config, clients, conversations))
                 result.rss_mb = peak_rss_mb(process)
-                rows.append(result.row())
-                replies[f"{config} x{clients}"] = result.replies
-                print(f"{config} x{clients}: {result.seconds:.1f} s", file=sys.stderr, flush=True)
-        finally:
-            stop_server(process)
+            finally:
+                stop_server(process)
+            rows.append(result.row())
+            replies[f"{config} x{clients}"] = result.replies
+            print(f"{config} x{clients}: {result.seconds:.1f} s", file=sys.stderr, flush=True)
     print(table(rows))
     base = {r["clients"]: r for r in rows if r["config"] == rows[0]["config"]}
     for r in rows:

@@ -162,7 +162,7 @@ class LlamaModel:
                  self.lib.llama_print_system_info().decode(errors="replace"), platform.machine(), cpu_name(),
                  f"threads={s.thread_count()}", f"repack={s.repack}", f"flash={s.flash_attention}",
                  f"max_memory={s.max_memory}",
-                 f"library={Path(self.lib._lib._name).resolve()}", f"row_exact={self.row_exact}", *extra]
+                 f"library={library_identity(Path(self.lib._lib._name))}", f"row_exact={self.row_exact}", *extra]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
     def optimize(self, mode: str = "auto", refresh: bool = False) -> None:
@@ -236,7 +236,7 @@ class LlamaModel:
                 self._switch(exact)
             self._batch.fill([(cache.seq, len(cache), ids, keep) for cache, ids, keep in feeds])
             rc = self.lib.llama_decode(self._ctx, self._batch.struct)
-            if rc == 1:  # no free cell after some sequence's last one: pack every sequence down, then once more
+            if rc == 1 and self._packable(self._batch.rows):  # no free cell after some sequence's last one
                 self._forget_partial(feeds)
                 self._compact()
                 rc = self.lib.llama_decode(self._ctx, self._batch.struct)
@@ -260,14 +260,23 @@ class LlamaModel:
         for cache, _, _ in feeds:
             self.lib.llama_memory_seq_rm(self._memory, cache.seq, len(cache), -1)
 
+    def _live(self) -> list[int]:
+        """The sequence ids holding cells (under the lock)."""
+        return [seq for seq in sorted(set(range(self.settings.sequences)) - set(self._free_seqs))
+                if self.lib.llama_memory_seq_pos_max(self._memory, seq) >= 0]
+
+    def _packable(self, rows: int) -> bool:
+        """Whether every live sequence, each packed apart (forks' shared cells copied), and `rows` more fit the pool."""
+        held = sum(self.lib.llama_memory_seq_pos_max(self._memory, seq) + 1 for seq in self._live())
+        return held + rows <= self.cells
+
     def _compact(self) -> None:
         """Move every live sequence's cells down to the lowest free ones, each in its own order (under the lock).
         A sequence's new cells go after its last one (the patched build's placement keeps each sequence's cells in
         position order, which attention's summation follows); once the pool's top is taken, cells freed below are
         reached by saving each sequence's cells and restoring them packed. Cells shared by forks are copied apart."""
         lib, ctx = self.lib, self._ctx
-        live = [seq for seq in sorted(set(range(self.settings.sequences)) - set(self._free_seqs))
-                if lib.llama_memory_seq_pos_max(self._memory, seq) >= 0]  # (those holding cells)
+        live = self._live()
         saved = []
         for seq in live:
             size = lib.llama_state_seq_get_size(ctx, seq)
@@ -358,6 +367,16 @@ class _Batch:
 
 
 _LOCK = threading.Lock()  # llama.cpp contexts are not thread-safe, and the kernel switch is process-wide
+
+
+def library_identity(path: Path) -> str:
+    """The llama.cpp libraries loaded, by path, size and modification time: a rebuilt library is measured again."""
+    parts = []
+    for lib in sorted(path.resolve().parent.glob("lib*.so*")):
+        if lib.is_file() and not lib.is_symlink():
+            stat = lib.stat()
+            parts.append(f"{lib.name}:{stat.st_size}:{int(stat.st_mtime)}")
+    return f"{path.resolve()}|{','.join(parts)}"
 
 
 def kernel_switch(lib):
