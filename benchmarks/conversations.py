@@ -32,6 +32,8 @@ from pathlib import Path
 import openai
 from serve_load import free_port, gguf_of, peak_rss_mb, percentile, start_server, stop_server
 
+from assistgen.bench.report import columns_table
+
 ASSISTGEN = {"plain": [], "lookup": ["--lookup"], "ngram": ["--ngram-cache"],
              "lookup-ngram": ["--lookup", "--ngram-cache"], "suffix": ["--suffix", "--lookup", "--ngram-cache"]}
 LLAMA_SERVER = {"llama": [], "llama-ngram": ["--spec-type", "ngram-simple"],
@@ -140,15 +142,11 @@ async def run_round(url: str, args, config: str, clients: int, conversations: li
     return result
 
 
-def table(rows: list[dict]) -> str:
-    lines = [f"{'config':<16}{'clients':>8}{'wall s':>8}{'tok/s':>7}{'decode':>8}{'dec 1st':>8}{'dec later':>10}"
-             f"{'ttft 1st':>9}{'ttft later':>11}{'p95':>7}{'prompt':>8}{'cached':>8}{'RSS MiB':>9}"]
-    for r in rows:
-        lines.append(f"{r['config']:<16}{r['clients']:>8}{r['wall_s']:>8.1f}{r['tok_s']:>7.1f}"
-                     f"{r['decode_tok_s']:>8.1f}{r['decode_first_tok_s']:>8.1f}{r['decode_later_tok_s']:>10.1f}"
-                     f"{r['ttft_first_p50']:>9.2f}{r['ttft_later_p50']:>11.2f}{r['ttft_later_p95']:>7.2f}"
-                     f"{r['prompt_tokens']:>8}{r['cached_tokens']:>8}{r['peak_rss_mb']:>9.0f}")
-    return "\n".join(lines)
+TABLE = [("config", "config", "<16"), ("clients", "clients", ">8"), ("wall s", "wall_s", ">8.1f"),
+         ("tok/s", "tok_s", ">7.1f"), ("decode", "decode_tok_s", ">8.1f"), ("dec 1st", "decode_first_tok_s", ">8.1f"),
+         ("dec later", "decode_later_tok_s", ">10.1f"), ("ttft 1st", "ttft_first_p50", ">9.2f"),
+         ("ttft later", "ttft_later_p50", ">11.2f"), ("p95", "ttft_later_p95", ">7.2f"),
+         ("prompt", "prompt_tokens", ">8"), ("cached", "cached_tokens", ">8"), ("RSS MiB", "peak_rss_mb", ">9.0f")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(result.row())
             replies[f"{config} x{clients}"] = result.replies
             print(f"{config} x{clients}: {result.seconds:.1f} s", file=sys.stderr, flush=True)
-    print(table(rows))
+    print(columns_table(rows, TABLE))
     base = {r["clients"]: r for r in rows if r["config"] == rows[0]["config"]}
     for r in rows:
         if r["config"] != rows[0]["config"] and r["clients"] in base:

@@ -47,6 +47,7 @@ import openai
 
 from assistgen.backends.embedded import EMBEDDED
 from assistgen.bench.dataset import default_suite, read_prompts
+from assistgen.bench.report import columns_table
 
 ASSISTGEN = {"plain": [], "lookup": ["--lookup"], "ngram": ["--ngram-cache"], "assistant": ["--assistant", "{draft}"],
              "universal": ["--assistant", "{universal}"],
@@ -220,14 +221,10 @@ async def run_round(url: str, args, config: str, concurrency: int, prompts: list
     return result
 
 
-def table(rows: list[dict]) -> str:
-    lines = [f"{'config':<16}{'clients':>8}{'tokens':>8}{'tok/s':>8}{'decode':>8}{'ttft p50':>10}{'ttft p95':>10}"
-             f"{'itl p50':>9}{'itl p95':>9}{'RSS MiB':>9}{'accepted':>10}{'accept':>8}"]
-    for r in rows:
-        lines.append(f"{r['config']:<16}{r['concurrency']:>8}{r['tokens']:>8}{r['tok_s']:>8.1f}"
-                     f"{r['decode_tok_s']:>8.1f}{r['ttft_p50']:>10.3f}{r['ttft_p95']:>10.3f}{r['itl_p50']:>9.3f}"
-                     f"{r['itl_p95']:>9.3f}{r['peak_rss_mb']:>9.0f}{r['accepted']:>10}{r['acceptance']:>8.0%}")
-    return "\n".join(lines)
+TABLE = [("config", "config", "<16"), ("clients", "concurrency", ">8"), ("tokens", "tokens", ">8"),
+         ("tok/s", "tok_s", ">8.1f"), ("decode", "decode_tok_s", ">8.1f"), ("ttft p50", "ttft_p50", ">10.3f"),
+         ("ttft p95", "ttft_p95", ">10.3f"), ("itl p50", "itl_p50", ">9.3f"), ("itl p95", "itl_p95", ">9.3f"),
+         ("RSS MiB", "peak_rss_mb", ">9.0f"), ("accepted", "accepted", ">10"), ("accept", "acceptance", ">8.0%")]
 
 
 def category_table(rows: list[dict]) -> str:
@@ -319,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{config} x{concurrency}: {rows[-1]['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
         finally:
             stop_server(process)
-    print(table(rows))
+    print(columns_table(rows, TABLE))
     print(category_table(rows))
     ratios = ratios_to_first(rows)
     for config, by in ratios.items():

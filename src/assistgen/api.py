@@ -142,36 +142,31 @@ def make_drafter(
     return drafters[0] if len(drafters) == 1 else CompositeDrafter(drafters)
 
 
+def namespaced(value, option: str, kind: type, of_namespace, when_true, true_means: str):
+    """What a namespaced option names: `when_true()` for True, `of_namespace(name)` for a non-empty string (requests
+    share state only when they name the same namespace), or an object of `kind` itself."""
+    if value is True:
+        return when_true()
+    if isinstance(value, str):
+        if not value:
+            raise ConfigError(f"{option}: a namespace must be a non-empty string (e.g. the user's id).")
+        return of_namespace(value)
+    if isinstance(value, kind):
+        return value
+    raise ConfigError(f"{option} must be True ({true_means}), a namespace string or a {kind.__name__}, "
+                      f"got {type(value).__name__}.")
+
+
 def suffix_history_of(suffix) -> SuffixHistory | None:
-    """The earlier text suffix drafting searches besides the sequence's own: none for True, a namespace's history for
-    a string (`suffix.history_for`: requests share text only when they name the same namespace), or the object."""
-    if suffix is True:
-        return None
-    if isinstance(suffix, str):
-        if not suffix:
-            raise ConfigError("suffix: a namespace must be a non-empty string (e.g. the user's id).")
-        return history_for(suffix)
-    if isinstance(suffix, SuffixHistory):
-        return suffix
-    raise ConfigError(f"suffix must be True (this sequence's own text), a namespace string or a SuffixHistory, "
-                      f"got {type(suffix).__name__}.")
+    """The earlier text suffix drafting searches besides the sequence's own (`suffix.history_for`)."""
+    return namespaced(suffix, "suffix", SuffixHistory, history_for, lambda: None, "this sequence's own text")
 
 
 def ngram_cache_of(ngram_cache) -> NGramCache | None:
-    """The `NGramCache` that `ngram_cache` names: None for False/None, the process-wide shared namespace for
-    True, a namespace's cache for a string (`ngram.cache_for`), or the cache object itself."""
+    """The `NGramCache` that `ngram_cache` names (`ngram.cache_for`); None for False/None."""
     if ngram_cache is None or ngram_cache is False:
         return None
-    if ngram_cache is True:
-        return shared_cache()
-    if isinstance(ngram_cache, str):
-        if not ngram_cache:
-            raise ConfigError("ngram_cache: a namespace must be a non-empty string (e.g. the user's id).")
-        return cache_for(ngram_cache)
-    if isinstance(ngram_cache, NGramCache):
-        return ngram_cache
-    raise ConfigError(f"ngram_cache must be True (the process-wide cache), a namespace string or an NGramCache, "
-                      f"got {type(ngram_cache).__name__}.")
+    return namespaced(ngram_cache, "ngram_cache", NGramCache, cache_for, shared_cache, "the process-wide cache")
 
 
 def model_drafter(target: LanguageModel, assistant: LanguageModel | str | Drafter) -> Drafter:

@@ -122,6 +122,18 @@ def _fmt(value, pattern: str) -> str:
     return pattern.format(value) if value is not None else "-"
 
 
+def columns_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """A fixed-width table: one line a row, each column `(header, key, format)` with the format's width
+    (`"<16"`, `">8.1f"`), the header aligned as its values are."""
+    def width(spec: str) -> str:
+        return re.match(r"[<>^]?\d*", spec).group(0)
+
+    lines = ["".join(f"{header:{width(spec)}}" for header, _, spec in columns)]
+    for r in rows:
+        lines.append("".join(f"{r[key]:{spec}}" for _, key, spec in columns))
+    return "\n".join(lines)
+
+
 def format_table(rows: list[dict]) -> str:
     head = (f"{'temp':>5} {'category':<14}{'method':<22}{'tok/s':>7}{'vs plain':>9}{'decode':>7}{'vs hf':>7}"
             f"{'accept':>8}"
