@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import assert_exact_or_near_tie, start_serve_command, tiny_llama
 
-from assistgen import ConfigError, Conversation, PrefixCache, Session, generate, load_model
+from assistgen import ConfigError, Constant, Conversation, PrefixCache, Session, generate, load_model
 from assistgen.api import default_schedule, encode_chat, make_drafter
 from assistgen.config import GenerationConfig
 from assistgen.core.prefix import check_capacity
@@ -42,19 +42,24 @@ def chat(model, *turns: str) -> list[int]:
     return encode_chat(model, [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)])
 
 
-def run_arrivals(model, prompts: list[list[int]], tokens: int, seed: int) -> tuple[list[list[int]], BatchEngine]:
-    """Each prompt submitted to one engine at a random moment (seeded), greedy with prompt lookup."""
+DRAFTING = Constant(k=4)  # drafts verified whatever the measured costs say: passes of several rows in every batch
+
+
+def run_arrivals(model, prompts: list[list[int]], tokens: int, seed: int) -> tuple[list[list[int]], BatchEngine, int]:
+    """Each prompt submitted to one engine at a random moment (seeded), greedy with prompt lookup; the outputs, the
+    engine and the draft tokens it accepted."""
     rng = random.Random(seed)
-    engine = BatchEngine(model, partial(make_drafter, model, lookup=True), default_schedule()).start()
+    engine = BatchEngine(model, partial(make_drafter, model, lookup=True), DRAFTING).start()
     try:
         requests = []
         for ids in prompts:
             requests.append(engine.submit(ids, GenerationConfig(max_new_tokens=tokens)))
             time.sleep(rng.random() * 0.3)
-        outs = [[t for chunk in r for t in chunk.tokens] for r in requests]
+        chunks = [list(r) for r in requests]
     finally:
         engine.shutdown(timeout=60)
-    return outs, engine
+    accepted = sum(c[-1].stats.accepted_tokens for c in chunks)
+    return [[t for chunk in c for t in chunk.tokens] for c in chunks], engine, accepted
 
 
 # --- one request, one output ------------------------------------------------------------------------------------
@@ -65,21 +70,21 @@ def test_requests_arriving_at_random_on_llama_cpp_each_give_their_output_alone(s
     """Goes red on llama.cpp's own placement (a request's new cells below its earlier ones once others have left:
     3-5 of 12 differed in two rounds with the unpatched library)."""
     prompts = [chat(smol_llama, s) for s in STORIES]
-    alone = [generate(smol_llama, ids, lookup=True, max_new_tokens=32) for ids in prompts]
-    got, engine = run_arrivals(smol_llama, prompts, 32, seed=1)
+    alone = [generate(smol_llama, ids, lookup=True, max_new_tokens=32, schedule=DRAFTING) for ids in prompts]
+    got, engine, accepted = run_arrivals(smol_llama, prompts, 32, seed=1)
     assert got == [g.token_ids for g in alone]
     assert engine.largest_batch >= 4
-    assert sum(g.stats.accepted_tokens for g in alone) > 0  # drafting happened
+    assert accepted > 0 and sum(g.stats.accepted_tokens for g in alone) > 0  # drafting happened
 
 
 @pytest.mark.integration
 def test_requests_arriving_at_random_on_torch_each_give_their_output_alone(smol_torch):
     prompts = [chat(smol_torch, s) for s in STORIES[:8]]
-    alone = [generate(smol_torch, ids, lookup=True, max_new_tokens=24).token_ids for ids in prompts]
-    got, engine = run_arrivals(smol_torch, prompts, 24, seed=2)
+    alone = [generate(smol_torch, ids, lookup=True, max_new_tokens=24, schedule=DRAFTING).token_ids for ids in prompts]
+    got, engine, accepted = run_arrivals(smol_torch, prompts, 24, seed=2)
     for ids, reference, ours in zip(prompts, alone, got, strict=True):
         assert_exact_or_near_tie(smol_torch, ids, reference, ours)
-    assert engine.largest_batch >= 4
+    assert engine.largest_batch >= 4 and accepted > 0
 
 
 @pytest.mark.integration
