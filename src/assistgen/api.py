@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from jinja2 import TemplateError
 
@@ -25,6 +26,7 @@ from assistgen.core.engine import Chunk
 from assistgen.core.engine import stream as run_loop
 from assistgen.core.logprobs import TokenLogprob
 from assistgen.core.prefix import PrefixCache, check_capacity, default_capacity
+from assistgen.core.tools import call_syntax
 from assistgen.drafters.assistant import AssistantDrafter, same_tokenizer
 from assistgen.drafters.base import CompositeDrafter, Drafter, NoDrafter
 from assistgen.drafters.early_exit import EarlyExitDrafter
@@ -71,6 +73,34 @@ def prepare(model, fast_linear: bool | str = "auto", refresh: bool = False):
     return model
 
 
+def use_chat_template(model, template: str):
+    """The explicit step that replaces the model's chat template (`read_chat_template`). Returns the model."""
+    model.tokenizer.chat_template = read_chat_template(template)
+    return model
+
+
+def read_chat_template(template: str) -> str:
+    """A chat template's text from a Jinja file's path or the template itself (as transformers' `chat_template`);
+    a missing file or a template that does not parse is a ConfigError."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if not isinstance(template, str) or not template.strip():
+        raise ConfigError("chat template: give a Jinja file's path or the template's text.")
+    looks_like_text = "{%" in template or "{{" in template
+    if not looks_like_text:
+        path = Path(template).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"chat template: {template} is not a file (give a Jinja file's path or the template's "
+                              "text).")
+        template = path.read_text()
+    try:
+        ImmutableSandboxedEnvironment().parse(template)
+    except TemplateSyntaxError as e:
+        raise ConfigError(f"chat template: line {e.lineno}: {e.message}. Fix the template.") from e
+    return template
+
+
 def as_model(model) -> LanguageModel:
     """A backend model as it is; anything else is a spec to load (a bad one raises `ModelLoadError`)."""
     return model if hasattr(model, "new_cache") else load_model(model)
@@ -93,15 +123,19 @@ def encode_prompt(model: LanguageModel, prompt: str | list[int], chat: bool = Fa
     return list(model.tokenizer(prompt)["input_ids"])
 
 
-def encode_chat(model: LanguageModel, messages: list[dict]) -> list[int]:
-    """Chat messages ({"role", "content"} dicts) -> token ids through the model's chat template, with the
-    prompt for the assistant's turn appended. A model without a template, or messages its template refuses,
-    raise `ConfigError`."""
+def encode_chat(model: LanguageModel, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Chat messages ({"role", "content"} dicts; an assistant's may carry "tool_calls", a "tool" message answers
+    one) -> token ids through the model's chat template, with the prompt for the assistant's turn appended; `tools`
+    (OpenAI function tools) are rendered by the template too. A model without a template, a template that renders
+    no tools when tools are given, or messages its template refuses, raise `ConfigError`."""
     tok = model.tokenizer
     if not getattr(tok, "chat_template", None):
         raise ConfigError(f"{model.name} has no chat template: drop chat=True / --chat.")
+    if tools and call_syntax(tok) is None:
+        raise ConfigError(f"The chat template of {model.name} renders no tools: serve a model whose template does "
+                          "(e.g. qwen2.5-coder-1.5b), or give a template with tools (--chat-template).")
     try:
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True)
     except (TemplateError, ValueError, TypeError, KeyError) as e:
         raise ConfigError(f"The chat template of {model.name} refused the messages: {e}") from e
     if isinstance(ids, dict) or hasattr(ids, "keys"):

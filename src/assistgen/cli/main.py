@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from assistgen.api import stream
+from assistgen.api import stream, use_chat_template
 from assistgen.backends.embedded import EMBEDDED, ModelLoadError, is_installed
 from assistgen.backends.torch.loading import converted_dir, is_cached
 from assistgen.bench.dataset import DatasetError
@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--chat-template", metavar="FILE",
+                     help="a Jinja chat template to use instead of the model's own (with --chat)")
     add_structure(gen)
     gen.add_argument("--logprobs", type=int, metavar="N",
                      help="print each token's log-probability and its N most likely alternatives (on stderr)")
@@ -104,6 +106,8 @@ def add_serve(p: argparse.ArgumentParser) -> None:
     drafter.add_argument("--early-exit", nargs="?", const=True, type=int, metavar="LAYERS",
                          help="self-drafting with the target's first LAYERS layers")
     p.add_argument("--schedule", type=schedule_argument, help="as for generate (default: cost-aware adaptive)")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template to use instead of the model's own (e.g. one that renders tools)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--max-batch", type=int, help="requests generated together")
@@ -133,7 +137,12 @@ def add_serve(p: argparse.ArgumentParser) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    template = chat_template_text(args)
+    if template is not None and not args.chat:
+        raise ConfigError("--chat-template is the template --chat wraps the prompt in: add --chat.")
     target, assistant = load_target_and_assistant(args)
+    if template is not None:
+        use_chat_template(target, template)
     last, logprobs = None, []
     for chunk in stream(target, prompt, assistant=assistant, lookup=args.lookup, suffix=args.suffix,
                         schedule=args.schedule,
@@ -222,7 +231,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
              if getattr(args, n) is not None] + ([] if args.route_by_key else ["--no-route-by-key"])
     if alone:
         raise ConfigError(f"{', '.join(alone)} set(s) how Ray Serve runs replicas: add --replicas N.")
+    template = chat_template_text(args)
     target, assistant = load_target_and_assistant(args, serving_loading(args))
+    if template is not None:
+        use_chat_template(target, template)
     drafters = partial(make_drafter, target, assistant, args.lookup, args.early_exit or False, suffix=args.suffix)
     drafters()  # bad drafter options fail here, before the server starts
     schedule = as_schedule(args.schedule) if args.schedule is not None else default_schedule()
@@ -230,6 +242,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(model_name=args.model, ngram_cache=args.ngram_cache, suffix=args.suffix,
                               share_prefix_cache=args.share_prefix_cache)
     return serve(engine, settings, args.host, args.port, drafters)
+
+
+def chat_template_text(args: argparse.Namespace) -> str | None:
+    """--chat-template's text (None: the model's own), read and checked before any model loads."""
+    from assistgen.api import read_chat_template
+
+    return None if getattr(args, "chat_template", None) is None else read_chat_template(args.chat_template)
 
 
 def prefix_bytes(args: argparse.Namespace) -> int | None:
@@ -266,7 +285,8 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     spec = ReplicaSpec(args.model, {**loading(args), **serving_loading(args)}, args.assistant,
                        loading(args, assistant=True) if args.assistant else {}, args.lookup, args.early_exit or False,
                        args.schedule, engine_options(args), args.ngram_cache,
-                       share_prefix_cache=args.share_prefix_cache, suffix=args.suffix)
+                       share_prefix_cache=args.share_prefix_cache, suffix=args.suffix,
+                       chat_template=chat_template_text(args))
     chosen = {n: getattr(args, n) for n in ("max_replicas", "target_ongoing_requests", "cpus_per_replica")
               if getattr(args, n) is not None}
     options = ReplicaOptions(replicas=args.replicas or 1, route_by_key=args.route_by_key, **chosen)

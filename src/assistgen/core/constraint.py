@@ -63,9 +63,12 @@ def compile_structure(tokenizer, vocab_size: int, structure: Structure):
             return compiler.compile_json_schema(structure.spec, any_whitespace=False)
         if structure.kind == "regex":
             return compiler.compile_regex(structure.spec)
+        if structure.kind == "structural_tag":
+            return compiler.compile_structural_tag(structure.spec)
         return compiler.compile_grammar(structure.spec)
     except (RuntimeError, ValueError, TypeError) as e:
-        what = {"json_schema": "JSON schema", "regex": "regular expression", "grammar": "grammar"}[structure.kind]
+        what = {"json_schema": "JSON schema", "regex": "regular expression", "grammar": "grammar",
+                "structural_tag": "tool or structural tag"}[structure.kind]
         detail = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         detail = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", detail)  # (xgrammar's time and C++ source line)
         raise ConfigError(f"The {what} does not compile: {detail}. Fix it (xgrammar's syntax) and retry.") from e

@@ -15,6 +15,7 @@ message. Nothing here runs a model.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import FastAPI
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from assistgen.config import MAX_LOGPROBS, ConfigError, GenerationConfig, Structure
+from assistgen.core.tools import Tool
 
 FINISH_REASONS = {"length": "length", "context": "length", "eos": "stop", "stop": "stop", "cancelled": "abort"}
 
@@ -38,11 +40,8 @@ class StreamOptions(BaseModel):
 # refused with a 400 naming it otherwise (a field accepted and ignored would be a silent wrong answer).
 # name -> (the values that mean "off", why it is refused). The README's request-field table lists them.
 REFUSED: dict[str, tuple[tuple, str]] = {
-    "tools": ((None, []), "tool calling is not supported: describe the tools in a message instead."),
-    "tool_choice": ((None, "none"), "tool calling is not supported."),
-    "parallel_tool_calls": ((None,), "tool calling is not supported."),
-    "functions": ((None, []), "function calling is not supported."),
-    "function_call": ((None, "none"), "function calling is not supported."),
+    "functions": ((None, []), "functions (deprecated by OpenAI) is not supported: give tools instead."),
+    "function_call": ((None, "none"), "function_call (deprecated by OpenAI) is not supported: give tool_choice."),
     "frequency_penalty": ((None, 0, 0.0), "penalties are not supported: leave it at 0."),
     "presence_penalty": ((None, 0, 0.0), "penalties are not supported: leave it at 0."),
     "logit_bias": ((None, {}), "logit_bias is not supported."),
@@ -68,7 +67,7 @@ REFUSED: dict[str, tuple[tuple, str]] = {
 }
 # Fields that change nothing in a reply by OpenAI's own definition, accepted as they are.
 NO_EFFECT = {"user": "an end-user id for the client's own records", "metadata": "tags for stored replies"}
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 class Sampling(BaseModel):
@@ -109,6 +108,10 @@ class Sampling(BaseModel):
     def new_tokens(self) -> int | None:
         return self.max_tokens
 
+    def tokens_field(self) -> str:
+        """The name of the field that asked for new tokens (errors name it)."""
+        return "max_tokens"
+
     def asked_logprobs(self) -> int | None:
         """How many alternatives to list per emitted token (None: no logprobs)."""
         return None
@@ -145,7 +148,8 @@ class Message(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None  # accepted: the chat templates have no place for it
-    tool_calls: Any = None
+    tool_calls: Any = None  # an assistant's calls: [{"id", "type": "function", "function": {"name", "arguments"}}]
+    tool_call_id: str | None = None  # a tool message: the call it answers
     function_call: Any = None
 
 
@@ -177,6 +181,9 @@ class ChatRequest(Sampling):
             return self.max_completion_tokens
         return self.max_tokens
 
+    def tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def asked_logprobs(self) -> int | None:
         if not self.logprobs:
             if self.top_logprobs:
@@ -185,12 +192,12 @@ class ChatRequest(Sampling):
         return self.top_logprobs or 0
 
 
-def refuse_unsupported(body: Sampling) -> None:
-    """A 400 naming the first field of REFUSED that is set to anything but its "off" values."""
+def refuse_unsupported(body: Sampling, refused: dict[str, tuple[tuple, str]] = REFUSED) -> None:
+    """A 400 naming the first field of `refused` that is set to anything but its "off" values."""
     def same(value, off) -> bool:
         return value == off and isinstance(value, bool) == isinstance(off, bool)
 
-    for name, (off, reason) in REFUSED.items():
+    for name, (off, reason) in refused.items():
         value = getattr(body, name, None)
         if value is not None and not any(same(value, v) for v in off):
             raise APIError(400, f"{name}: {reason}", param=name)
@@ -246,21 +253,27 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(500, f"Internal error: {type(e).__name__}: {e}", "server_error"))
 
 
-def generation_config(body: Sampling, limit: int | None, room: int) -> GenerationConfig:
+def generation_config(body: Sampling, limit: int | None, room: int,
+                      calls: Structure | None = None) -> GenerationConfig:
     """The body's GenerationConfig for a prompt that leaves `room` positions of the context: asked-for new tokens
-    above `limit` (the server's) or `room` are a 400; none asked for: the library's default, within both. (The
+    above `limit` (the server's) or `room` are a 400; none asked for: the library's default, within both; `calls`:
+    the structure its tool calls follow (`core.tools.call_structure`), which excludes a response format. (The
     endpoints call `refuse_unsupported` first.)"""
     if body.n not in (None, 1):
         raise APIError(400, f"n must be 1 (one choice per prompt), got {body.n}.", param="n")
     asked = body.new_tokens()
-    field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+    field = body.tokens_field()
     given = {"max_new_tokens": asked, "temperature": body.temperature, "top_p": body.top_p,
              "top_k": body.top_k, "seed": body.seed}
     settings = {k: v for k, v in given.items() if v is not None}
     if body.stop is not None:
         settings["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
+    structure = structure_of(body)
+    if calls is not None and structure is not None:
+        raise APIError(400, "tools and a response format both constrain the output: give one, or tool_choice "
+                       '"none".', param="tool_choice")
     settings.update(logprobs=body.asked_logprobs(), prompt_logprobs=body.asked_prompt_logprobs(),
-                    structure=structure_of(body))
+                    structure=structure or calls)
     config = GenerationConfig(**settings)
     if asked is None:
         bound = min(room, limit) if limit is not None else room
@@ -346,8 +359,9 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) ->
 
 
 def message_dicts(messages: list[Message]) -> list[dict]:
-    """{"role", "content"} dicts for the chat template; roles other than system, developer (read as system),
-    user and assistant, and tool calls in messages, are a 400 naming the message."""
+    """{"role", "content"} dicts for the chat template (an assistant's with its "tool_calls", their arguments
+    parsed; a tool message's with its "tool_call_id"); an unknown role, a function_call, or malformed calls are a
+    400 naming the message."""
     def content(m: Message) -> str:
         if isinstance(m.content, list):
             return "".join(part.text for part in m.content)
@@ -355,11 +369,239 @@ def message_dicts(messages: list[Message]) -> list[dict]:
 
     out = []
     for i, m in enumerate(messages):
-        if m.role in ("tool", "function") or m.tool_calls is not None or m.function_call is not None:
-            raise APIError(400, f"messages[{i}]: tool and function calls are not supported by this server.",
-                           param=f"messages.{i}")
+        if m.role == "function" or m.function_call is not None:
+            raise APIError(400, f"messages[{i}]: function messages and function_call (deprecated by OpenAI) are not "
+                           "supported: use tool_calls and tool messages.", param=f"messages.{i}")
         if m.role not in ROLES:
             raise APIError(400, f"messages[{i}].role: {m.role!r} is not a role; use one of "
                            f"{', '.join(ROLES)}.", param=f"messages.{i}.role")
-        out.append({"role": ROLES[m.role], "content": content(m)})
+        message = {"role": ROLES[m.role], "content": content(m)}
+        if m.tool_calls is not None:
+            if m.role != "assistant":
+                raise APIError(400, f"messages[{i}].tool_calls: only an assistant message makes calls.",
+                               param=f"messages.{i}.tool_calls")
+            if not isinstance(m.tool_calls, list):
+                raise APIError(400, f"messages[{i}].tool_calls: give a list of calls.",
+                               param=f"messages.{i}.tool_calls")
+            message["tool_calls"] = [call_dict(c, f"messages.{i}.tool_calls.{j}") for j, c in enumerate(m.tool_calls)]
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise APIError(400, f"messages[{i}].tool_call_id: a tool message names the call it answers.",
+                               param=f"messages.{i}.tool_call_id")
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out
+
+
+def call_dict(call, param: str) -> dict:
+    """An OpenAI tool call as chat templates take it: {"id", "type", "function": {"name", "arguments": object}}."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise APIError(400, f'{param}: give {{"id": ..., "type": "function", "function": {{"name": ..., '
+                       f'"arguments": "<JSON text>"}}}}.', param=param)
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except json.JSONDecodeError as e:
+            raise APIError(400, f"{param}.function.arguments: not JSON ({e.msg} at character {e.pos}).",
+                           param=f"{param}.function.arguments") from e
+    if not isinstance(arguments, dict):
+        raise APIError(400, f"{param}.function.arguments: the arguments are a JSON object.",
+                       param=f"{param}.function.arguments")
+    return {"id": str(call.get("id") or ""), "type": "function",
+            "function": {"name": function["name"], "arguments": arguments}}  # (arguments parsed: what templates take)
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a request's `tools`, `tool_choice` and `parallel_tool_calls` ask for."""
+
+    tools: list[Tool]
+    specs: list[dict]  # the tools as OpenAI gives them (what the chat template renders)
+    choice: str  # "auto" | "required" | "none" | a tool's name
+    parallel: bool
+
+
+def tool_plan(tools, tool_choice, parallel_tool_calls) -> ToolPlan | None:
+    """The checked tool fields (None: no tools); a malformed one is a 400 naming it."""
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise APIError(400, "parallel_tool_calls: give true or false.", param="parallel_tool_calls")
+    if tools is None or tools == []:
+        if tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice needs tools: give the tools it chooses from.", param="tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise APIError(400, "tools: give a list of function tools.", param="tools")
+    checked = []
+    for i, spec in enumerate(tools):
+        try:
+            checked.append(Tool.of(spec, f"tools[{i}]"))
+        except ConfigError as e:
+            raise APIError(400, str(e), param=f"tools.{i}") from e
+    names = [t.name for t in checked]
+    if len(set(names)) != len(names):
+        raise APIError(400, "tools: two tools have the same name.", param="tools")
+    return ToolPlan(checked, tools, tool_choice_name(tool_choice, names), parallel_tool_calls is not False)
+
+
+def tool_choice_name(choice, names: list[str]) -> str:
+    if choice is None:
+        return "auto"
+    if choice in ("auto", "required", "none"):
+        return choice
+    named = None
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        function = choice.get("function")
+        named = function.get("name") if isinstance(function, dict) else choice.get("name")
+    if not isinstance(named, str):
+        raise APIError(400, 'tool_choice: give "auto", "none", "required" or {"type": "function", "function": '
+                       '{"name": ...}}.', param="tool_choice")
+    if named not in names:
+        raise APIError(400, f"tool_choice names {named!r}, which is not among the tools ({', '.join(names)}).",
+                       param="tool_choice")
+    return named
+
+
+# --- the Responses API ----------------------------------------------------------------------------------------
+
+# Fields of POST /v1/responses this server does not do, accepted only at their "off" values (as REFUSED).
+RESPONSES_REFUSED: dict[str, tuple[tuple, str]] = {
+    "previous_response_id": ((None,), "nothing is stored by this server: send the whole conversation as input."),
+    "conversation": ((None,), "nothing is stored by this server: send the whole conversation as input."),
+    "store": ((None, False), "nothing is stored by this server: leave store false."),
+    "background": ((None, False), "background responses are not supported."),
+    "reasoning": ((None, {}, {"effort": None}, {"effort": None, "summary": None}),
+                  "this model has no reasoning settings."),
+    "include": ((None, []), "include lists extra outputs this server does not produce."),
+    "prompt": ((None,), "stored prompt templates are not supported: send the input."),
+    "truncation": ((None, "disabled"), "truncation must be disabled: a long input is a 400, never cut."),
+    "max_tool_calls": ((None,), "max_tool_calls is not supported: use parallel_tool_calls false for one call."),
+    "top_logprobs": ((None, 0), "top_logprobs is not supported on /v1/responses: use chat completions."),
+    "service_tier": ((None, "auto", "default"), "this server has one service tier."),
+    "frequency_penalty": ((None, 0, 0.0), "penalties are not supported: leave it at 0."),
+    "presence_penalty": ((None, 0, 0.0), "penalties are not supported: leave it at 0."),
+}
+RESPONSES_NO_EFFECT = {"user": "an end-user id", "metadata": "tags for stored replies", "safety_identifier":
+                       "an end-user id", "prompt_cache_key": "a caching hint (prefixes are kept per API key)"}
+
+
+class ResponsesRequest(Sampling):
+    """POST /v1/responses: `input` (a string or a list of items: messages, function calls and their outputs),
+    `instructions` (a system message first), `max_output_tokens`, `text.format` (as chat's response_format),
+    function `tools` (flat: {"type": "function", "name", "parameters"}), `tool_choice`, `parallel_tool_calls`."""
+
+    input: str | list[Any]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, strict=True)
+    text: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    metadata: Any = None
+    safety_identifier: Any = None
+    prompt_cache_key: Any = None
+    previous_response_id: Any = None
+    conversation: Any = None
+    store: Any = None
+    background: Any = None
+    reasoning: Any = None
+    include: Any = None
+    prompt: Any = None
+    truncation: Any = None
+    max_tool_calls: Any = None
+    top_logprobs: Any = None
+    service_tier: Any = None
+
+    def new_tokens(self) -> int | None:
+        if self.max_tokens is not None:
+            raise APIError(400, "max_tokens: /v1/responses bounds the reply with max_output_tokens.",
+                           param="max_tokens")
+        return self.max_output_tokens
+
+    def tokens_field(self) -> str:
+        return "max_output_tokens"
+
+    def checked_format(self) -> None:
+        """text.format (text | json_object | json_schema {name, schema, strict}) read as chat's response_format."""
+        if self.text is None:
+            return
+        fmt = self.text.get("format") if isinstance(self.text, dict) else None
+        if isinstance(self.text, dict) and self.text.get("verbosity") not in (None, "medium"):
+            raise APIError(400, "text.verbosity: this server has no verbosity setting.", param="text.verbosity")
+        if fmt is None:
+            if not isinstance(self.text, dict):
+                raise APIError(400, 'text: give {"format": {"type": "text" | "json_object" | "json_schema"}}.',
+                               param="text")
+            return
+        if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+            self.response_format = {"type": "json_schema", "json_schema": {"name": fmt.get("name"),
+                                                                           "schema": fmt.get("schema")}}
+        else:
+            self.response_format = fmt
+
+    def chat_tools(self) -> list | None:
+        """The flat function tools as chat's ({"type": "function", "function": {...}}); other kinds are a 400."""
+        if not isinstance(self.tools, list):
+            return self.tools
+        out = []
+        for i, tool in enumerate(self.tools):
+            if not isinstance(tool, dict) or tool.get("type") != "function":
+                kind = tool.get("type") if isinstance(tool, dict) else None
+                raise APIError(400, f"tools[{i}]: only function tools are supported here, got {kind!r}.",
+                               param=f"tools.{i}")
+            out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+        return out
+
+    def messages(self) -> list[dict]:
+        """The input as chat messages: `instructions` first, a function call (or several in a row) as an assistant
+        message's tool_calls, a call's output as a tool message."""
+        out = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
+        if not items:
+            raise APIError(400, "input: give a string or a non-empty list of items.", param="input")
+        for i, item in enumerate(items):
+            out_item = input_message(item, f"input.{i}")
+            if "tool_calls" in out_item and out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                out[-1]["tool_calls"] += out_item["tool_calls"]
+            else:
+                out.append(out_item)
+        return message_dicts([Message(**m) for m in out])
+
+
+def input_message(item, param: str) -> dict:
+    """One Responses input item as a chat message dict."""
+    if not isinstance(item, dict):
+        raise APIError(400, f"{param}: give a message, function_call or function_call_output item.", param=param)
+    kind = item.get("type", "message")
+    if kind == "message":
+        role, content = item.get("role"), item.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+                    raise APIError(400, f"{param}.content.{j}: only text parts are supported (input_text, "
+                                   "output_text).", param=f"{param}.content.{j}")
+                texts.append(str(part.get("text", "")))
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise APIError(400, f"{param}.content: give a string or a list of text parts.", param=f"{param}.content")
+        if role not in ("system", "developer", "user", "assistant"):
+            raise APIError(400, f"{param}.role: {role!r} is not a role; use system, developer, user or assistant.",
+                           param=f"{param}.role")
+        return {"role": role, "content": content}
+    if kind == "function_call":
+        if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
+            raise APIError(400, f"{param}: a function_call item has call_id, name and arguments.", param=param)
+        call = {"id": item["call_id"], "type": "function",
+                "function": {"name": item["name"], "arguments": item.get("arguments", "{}")}}
+        return {"role": "assistant", "content": None, "tool_calls": [call_dict(call, param)]}
+    if kind == "function_call_output":
+        output = item.get("output")
+        if isinstance(output, list):
+            output = "".join(str(p.get("text", "")) for p in output if isinstance(p, dict))
+        if not isinstance(item.get("call_id"), str) or not isinstance(output, str):
+            raise APIError(400, f"{param}: a function_call_output item has call_id and output.", param=param)
+        return {"role": "tool", "content": output, "tool_call_id": item["call_id"]}
+    raise APIError(400, f"{param}.type: {kind!r} items are not supported (message, function_call, "
+                   "function_call_output).", param=f"{param}.type")

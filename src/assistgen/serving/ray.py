@@ -57,6 +57,7 @@ class ReplicaSpec:
     max_tokens_limit: int | None = None
     share_prefix_cache: bool = False
     suffix: bool = False
+    chat_template: str | None = None  # the template's text, instead of the model's own
 
 
 @dataclass(frozen=True)
@@ -153,11 +154,13 @@ def build_server(spec: ReplicaSpec):
     """The single-process server's app and engine for a replica (the model loaded here)."""
     from functools import partial
 
-    from assistgen.api import as_schedule, default_schedule, load_model, make_drafter
+    from assistgen.api import as_schedule, default_schedule, load_model, make_drafter, use_chat_template
     from assistgen.serving.batching import BatchEngine, EngineSettings
     from assistgen.serving.server import ServerSettings, create_app
 
     target = load_model(spec.model, **spec.loading)
+    if spec.chat_template is not None:
+        use_chat_template(target, spec.chat_template)
     assistant = load_model(spec.assistant, **spec.assistant_loading) if spec.assistant else None
     drafters = partial(make_drafter, target, assistant, spec.lookup, spec.early_exit, suffix=spec.suffix)
     schedule = as_schedule(spec.schedule) if spec.schedule is not None else default_schedule()

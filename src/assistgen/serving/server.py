@@ -41,9 +41,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from assistgen.api import encode_chat, encode_prompt
-from assistgen.config import ConfigError
+from assistgen.config import ConfigError, Structure
 from assistgen.core.engine import Chunk, check_prompt, context_limit
 from assistgen.core.logprobs import TokenLogprob
+from assistgen.core.tools import (
+    CallParser,
+    CallStart,
+    CallSyntax,
+    Content,
+    ToolSchemaError,
+    call_structure,
+    call_syntax,
+    parse_calls,
+)
 from assistgen.drafters.base import Drafter
 from assistgen.drafters.ngram import NGramCache
 from assistgen.serving.batching import BatchEngine, QueueFull, Request
@@ -54,12 +64,14 @@ from assistgen.serving.protocol import (
     ChatRequest,
     CompletionRequest,
     Sampling,
+    ToolPlan,
     completion_prompts,
     error_body,
     generation_config,
     install_error_handlers,
     message_dicts,
     refuse_unsupported,
+    tool_plan,
 )
 from assistgen.stats import Stats
 
@@ -110,6 +122,7 @@ class Job:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # (when asked for)
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (when asked for, with the first chunk)
     last: Chunk | None = None
+    calls: CallSyntax | None = None  # the tool-call syntax its text is read in (None: no tools)
 
     @property
     def usage(self) -> dict:
@@ -185,10 +198,12 @@ def encoded(state: AppState, encode: Callable[[], list[int]], param: str) -> lis
     return ids
 
 
-def submit(state: AppState, body: Sampling, prompts: list[list[int]], http: HTTPRequest) -> list[Job]:
+def submit(state: AppState, body: Sampling, prompts: list[list[int]], http: HTTPRequest,
+           calls: Structure | None = None) -> list[Job]:
     """One engine request per prompt (each checked in full before any is queued); a refusal cancels the ones
-    already queued."""
-    configs = [generation_config(body, state.settings.max_tokens_limit, state.context - len(ids)) for ids in prompts]
+    already queued. `calls`: the structure tool calls follow."""
+    configs = [generation_config(body, state.settings.max_tokens_limit, state.context - len(ids), calls)
+               for ids in prompts]
     if state.closing:
         raise APIError(503, "The server is shutting down.", "service_unavailable")
     jobs: list[Job] = []
@@ -321,6 +336,8 @@ async def reply(state: AppState, jobs: list[Job], head: dict, chat: bool, http: 
         asked = job.request.config.logprobs is not None
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if job.calls is not None:
+                choice["message"], choice["finish_reason"] = tool_message(job, choice["finish_reason"])
             choice["logprobs"] = chat_logprobs(tokenizer, job.logprobs) if asked else None
         else:
             echoed = (job.prompt_ids, job.prompt_logprobs) if echoes and asked else None
@@ -337,12 +354,14 @@ async def events(state: AppState, jobs: list[Job], head: dict, chat: bool, inclu
     tokenizer = state.engine.target.tokenizer
     offsets = [0] * len(jobs)  # each choice's text so far (completions' text_offset)
     started = [False] * len(jobs)
+    readers = [CallStream(job) if job.calls is not None else None for job in jobs]
 
-    def event(i: int, text: str, logprobs: dict | None, finish_reason: str | None = None, **extra) -> str:
+    def event(i: int, text: str, logprobs: dict | None, finish_reason: str | None = None, delta: dict | None = None,
+              **extra) -> str:
         offsets[i] += len(text)
         choice = {"index": i, "finish_reason": finish_reason, "logprobs": logprobs}
         if chat:
-            choice["delta"] = {"content": text}
+            choice["delta"] = {"content": text} if delta is None else delta
         else:
             choice["text"] = text
         return sse({**head, "object": kind, "choices": [choice], **extra})
@@ -364,6 +383,10 @@ async def events(state: AppState, jobs: list[Job], head: dict, chat: bool, inclu
         started[i] = True
         if chunk.finish_reason == "error":
             yield sse(error_body(failure(jobs[i]).message, "server_error"))
+        elif jobs[i].calls is not None:
+            for delta, finish in readers[i].read(chunk):
+                yield event(i, "", logprobs_of(i, chunk) if delta is readers[i].first else None, finish, delta,
+                            **({"metrics": spec_decode_metrics(chunk.stats)} if finish else {}))
         elif chunk.finish_reason is not None:
             yield event(i, chunk.text, logprobs_of(i, chunk), FINISH_REASONS.get(chunk.finish_reason),
                         metrics=spec_decode_metrics(chunk.stats))
@@ -372,6 +395,60 @@ async def events(state: AppState, jobs: list[Job], head: dict, chat: bool, inclu
     if include_usage:
         yield sse({**head, "object": kind, "choices": [], "usage": usage(jobs)})
     yield "data: [DONE]\n\n"
+
+
+# --- tool calls ---------------------------------------------------------------------------------------------
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_message(job: Job, finish_reason: str | None) -> tuple[dict, str | None]:
+    """A finished chat choice's message read in its tool-call syntax, and its finish reason ("tool_calls" where
+    it ended after calling)."""
+    parsed = parse_calls(job.calls, job.texts)
+    message = {"role": "assistant", "content": parsed.content.strip() or None}
+    if parsed.calls:
+        message["tool_calls"] = [{"id": call_id(), "type": "function", "function": {"name": n, "arguments": a}}
+                                 for n, a in parsed.calls]
+        if finish_reason == "stop":
+            finish_reason = "tool_calls"
+    return message, finish_reason
+
+
+class CallStream:
+    """A streamed chat choice's chunks as OpenAI's deltas: content, then per call its index, id and name, then
+    fragments of its arguments, however many tokens a step accepted; the last delta carries the finish reason."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.parser = CallParser(job.calls)
+        self.called = False
+        self.first: dict | None = None  # the first delta of the chunk being read (it carries the chunk's logprobs)
+
+    def read(self, chunk: Chunk) -> list[tuple[dict, str | None]]:
+        """(delta, finish reason) pairs for one chunk."""
+        events = self.parser.feed(chunk.text)
+        if chunk.finish_reason is not None:
+            events += self.parser.finish()
+        out = [(self.delta(e), None) for e in events]
+        if chunk.finish_reason is not None:
+            finish = FINISH_REASONS.get(chunk.finish_reason)
+            out.append(({}, "tool_calls" if self.called and finish == "stop" else finish))
+        elif not out and chunk.logprobs:
+            out = [({"content": ""}, None)]
+        self.first = out[0][0] if out else None
+        return out
+
+    def delta(self, event) -> dict:
+        if isinstance(event, Content):
+            return {"content": event.text}
+        if isinstance(event, CallStart):
+            self.called = True
+            return {"tool_calls": [{"index": event.index, "id": call_id(), "type": "function",
+                                    "function": {"name": event.name, "arguments": ""}}]}
+        return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
 
 
 def token_text(tokenizer, token: int) -> str:
@@ -437,8 +514,28 @@ async def chat_completions(body: ChatRequest, http: HTTPRequest):
     check_model(state, body.model)
     refuse_unsupported(body)
     messages = message_dicts(body.messages)
-    jobs = submit(state, body, [encoded(state, lambda: encode_chat(state.engine.target, messages), "messages")], http)
+    syntax, calls, specs = tools_for(state, tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls))
+    ids = encoded(state, lambda: encode_chat(state.engine.target, messages, specs), "messages")
+    jobs = submit(state, body, [ids], http, calls)
+    jobs[0].calls = syntax
     return await respond(state, body, jobs, True, http)
+
+
+def tools_for(state: AppState, plan: ToolPlan | None) -> tuple[CallSyntax | None, Structure | None, list | None]:
+    """(the syntax calls are read in, the structure they follow, the tools the template renders) for a request's
+    tools; none for no tools or tool_choice "none" (the template then renders no tools: nothing to call)."""
+    if plan is None or plan.choice == "none":
+        return None, None, None
+    syntax = call_syntax(state.engine.target.tokenizer)
+    if syntax is None:
+        raise APIError(400, f"tools: the chat template of {state.settings.model_name} renders no tools: serve a model "
+                       "whose template does (e.g. qwen2.5-coder-1.5b) or start the server with --chat-template.",
+                       param="tools")
+    try:
+        calls = call_structure(syntax, plan.tools, plan.choice, plan.parallel)
+    except ToolSchemaError as e:
+        raise APIError(400, str(e), param=f"tools.{e.index}.function.parameters") from e
+    return syntax, calls, plan.specs
 
 
 def model_card(state: AppState) -> dict:

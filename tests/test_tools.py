@@ -1,0 +1,206 @@
+"""Tool calls: the call syntax read back from text split into steps of any size (`core.tools`, the server's
+`CallStream`), calls valid by construction under speculation on the real SmolLM2 (given a Hermes-style template
+with tools, as `--chat-template` gives one), and the server's `tools`, `tool_choice` and `parallel_tool_calls`
+spoken to with the official openai client, errors included."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from helpers import start_serve_command
+
+from assistgen import Constant, generate, load_model
+from assistgen.api import encode_chat, use_chat_template
+from assistgen.core.engine import Chunk
+from assistgen.core.tools import HERMES, Tool, call_structure, call_syntax, parse_calls
+from assistgen.serving.server import CallStream, Job
+
+TEMPLATE = Path(__file__).resolve().parent / "data" / "hermes_tools.jinja"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a time zone.",
+    "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+TEXT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius", '
+        '"note": "a \\"quoted\\" }\\n</tool_call> inside"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", '
+        '"arguments": {"tz": "Europe/Paris"}}\n</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def smol():
+    model = load_model("smollm2-135m", backend="llama.cpp")
+    return use_chat_template(model, str(TEMPLATE))
+
+
+def steps_of(tokenizer, text: str, seed: int) -> list[Chunk]:
+    """The text's tokens as a stream would emit them, 1 to 17 accepted tokens a step, each chunk's text what
+    became decodable with it; the last chunk finishes."""
+    ids, rng, chunks, shown, at = tokenizer.encode(text, add_special_tokens=False), random.Random(seed), [], "", 0
+    while at < len(ids):
+        n = rng.randint(1, 17)
+        decoded = tokenizer.decode(ids[: at + n])
+        chunks.append(Chunk(ids[at: at + n], decoded[len(shown):]))
+        shown, at = decoded, at + n
+    chunks[-1].finish_reason = "eos"
+    return chunks
+
+
+def test_calls_read_from_steps_of_1_to_17_tokens_are_the_whole_texts_calls(smol):
+    whole = parse_calls(HERMES, TEXT)
+    assert whole.content == "Let me check." and [c[0] for c in whole.calls] == ["get_weather", "get_time"]
+    assert json.loads(whole.calls[0][1])["note"] == 'a "quoted" }\n</tool_call> inside'
+    for seed in range(40):
+        chunks = steps_of(smol.tokenizer, TEXT, seed)
+        assert parse_calls(HERMES, [c.text for c in chunks]) == whole
+        stream = CallStream(Job([], None, 0.0, calls=HERMES))
+        content, calls, finishes = "", {}, []
+        for chunk in chunks:
+            for delta, finish in stream.read(chunk):
+                content += delta.get("content") or ""
+                for call in delta.get("tool_calls", []):
+                    if "id" in call:  # a call starts: index, id, type, name (once), then argument fragments
+                        assert call["index"] not in calls and call["type"] == "function"
+                        calls[call["index"]] = [call["function"]["name"], call["id"]]
+                    calls[call["index"]].append(call["function"]["arguments"])
+                finishes.append(finish)
+        assert content == whole.content
+        assert [[c[0], "".join(c[2:])] for _, c in sorted(calls.items())] == whole.calls
+        assert len({c[1] for c in calls.values()}) == 2 and finishes[-1] == "tool_calls" and not any(finishes[:-1])
+
+
+def test_a_template_without_tools_has_no_call_syntax_and_refuses_tools():
+    plain = load_model("smollm2-135m", backend="llama.cpp")
+    assert call_syntax(plain.tokenizer) is None
+    with pytest.raises(Exception, match="renders no tools"):
+        encode_chat(plain, ASK, TOOLS)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("choice,parallel", [("required", True), ("required", False), ("get_time", True),
+                                             ("auto", True)])
+def test_calls_are_valid_for_their_schema_and_exact_with_speculation(smol, choice, parallel):
+    """Under the call structure every call parses and validates against its tool's schema; drafting (prompt lookup
+    and the grammar's forced text) is on and its greedy tokens are those of plain constrained decoding."""
+    ids = encode_chat(smol, ASK, TOOLS)
+    structure = call_structure(HERMES, [Tool.of(t, "t") for t in TOOLS], choice, parallel)
+    plain = generate(smol, ids, max_new_tokens=80, structure=structure)
+    drafted = generate(smol, ids, max_new_tokens=80, structure=structure, lookup=True, schedule=Constant(k=4))
+    assert drafted.token_ids == plain.token_ids and drafted.stats.accepted_tokens > 0
+    parsed = parse_calls(HERMES, drafted.text)
+    if choice == "auto":
+        return  # (whether a 135M model calls is its own choice; its calls, if any, were checked the same way)
+    assert parsed.calls and parsed.content == ""
+    assert len(parsed.calls) == 1 or parallel
+    for name, arguments in parsed.calls:
+        assert choice in ("required", name)
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+# --- the server ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server():
+    process, port = start_serve_command("--model", "smollm2-135m", "--backend", "llama.cpp", "--lookup",
+                                        "--chat-template", str(TEMPLATE))
+    yield f"http://127.0.0.1:{port}"
+    process.terminate()
+    process.wait(30)
+
+
+def client(url: str, key: str = "agent") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, timeout=120, max_retries=0)
+
+
+@pytest.mark.integration
+def test_the_server_answers_with_tool_calls_streamed_or_not(server):
+    asked = dict(model="smollm2-135m", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80)
+    whole = client(server).chat.completions.create(**asked)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    assert whole.model_extra["metrics"]["speculative_decoding"]["num_accepted_draft_tokens"] > 0
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for event in client(server).chat.completions.create(**asked, stream=True):
+        for delta in event.choices[0].delta.tool_calls or []:
+            if delta.id is not None:
+                calls[delta.index] = [delta.function.name, ""]
+            calls[delta.index][1] += delta.function.arguments or ""
+        finish = event.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert [calls[i] for i in sorted(calls)] == [[c.function.name, c.function.arguments]
+                                                  for c in choice.message.tool_calls]
+
+
+@pytest.mark.integration
+def test_tool_choice_and_parallel_tool_calls_are_honoured(server):
+    one = client(server).chat.completions.create(model="smollm2-135m", messages=ASK, tools=TOOLS, max_tokens=80,
+                                                 tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                                 parallel_tool_calls=False)
+    calls = one.choices[0].message.tool_calls
+    assert len(calls) == 1 and calls[0].function.name == "get_time"
+    none = client(server).chat.completions.create(model="smollm2-135m", messages=ASK, tools=TOOLS, max_tokens=8,
+                                                  tool_choice="none")
+    assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.mark.integration
+def test_a_tool_result_continues_the_conversation_from_the_kept_prefix(server):
+    agent = client(server, "loop")
+    first = agent.chat.completions.create(model="smollm2-135m", messages=ASK, tools=TOOLS, tool_choice="required",
+                                          parallel_tool_calls=False, max_tokens=60)
+    call = first.choices[0].message.tool_calls[0]
+    messages = ASK + [first.choices[0].message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}]
+    second = agent.chat.completions.create(model="smollm2-135m", messages=messages, tools=TOOLS, max_tokens=24)
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # (the generation prompt's last token, "\n", may merge with the call's first when the turn is rendered again)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+
+
+def assert_400(response: httpx.Response, param: str, words: str) -> None:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+@pytest.mark.integration
+def test_bad_tool_fields_are_400s_naming_the_field(server):
+    url = f"{server}/v1/chat/completions"
+    base = {"model": "smollm2-135m", "messages": ASK, "max_tokens": 4}
+    bad_schema = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "string", "pattern": "(unclosed"}}}}}
+    with httpx.Client(timeout=60) as http:
+        assert_400(http.post(url, json={**base, "tools": [WEATHER, bad_schema]}), "tools.1.function.parameters",
+                   "does not compile")
+        assert_400(http.post(url, json={**base, "tools": [{"type": "function", "function": {"name": "no spaces"}}]}),
+                   "tools.0", "function name")
+        assert_400(http.post(url, json={**base, "tools": [{"type": "code_interpreter"}]}), "tools.0", "function tool")
+        assert_400(http.post(url, json={**base, "tools": TOOLS, "tool_choice": {"type": "function", "function": {
+            "name": "nope"}}}), "tool_choice", "not among the tools")
+        assert_400(http.post(url, json={**base, "tool_choice": "required"}), "tool_choice", "needs tools")
+        assert_400(http.post(url, json={**base, "tools": TOOLS, "parallel_tool_calls": "yes"}),
+                   "parallel_tool_calls", "true or false")
+        assert_400(http.post(url, json={**base, "tools": TOOLS, "response_format": {"type": "json_object"}}),
+                   "tool_choice", "give one")
+        call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{not json"}}
+        messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]}]
+        assert_400(http.post(url, json={**base, "messages": messages}), "messages.1.tool_calls.0.function.arguments",
+                   "not JSON")
+        assert_400(http.post(url, json={**base, "messages": ASK + [{"role": "tool", "content": "42"}]}),
+                   "messages.1.tool_call_id", "names the call")
