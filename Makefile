@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.assistgen-installed
 
-.PHONY: install llamacpp demo test test-slow test-ray lint bench clean qwen test-qwen gpu-check gpu-wheelhouse gpu-dry-run
+.PHONY: install llamacpp demo test test-slow test-ray test-agents lint bench clean qwen test-qwen gpu-check gpu-wheelhouse gpu-dry-run
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -63,16 +63,23 @@ demo: install
 test:
 	$(MAKE) -j2 install $(LLAMA_LIBS)
 	$(MAKE) llamacpp
-	$(BIN)/python -m pytest -q tests --ignore=tests/qwen --ignore=tests/replicas -m "not slow" --durations=15
+	$(BIN)/python -m pytest -q tests --ignore=tests/qwen --ignore=tests/replicas --ignore=tests/frameworks -m "not slow" --durations=15
 
 # More of the same chi-squared sampling checks and the int8 real-model check (about 5 minutes).
 test-slow: install llamacpp
-	$(BIN)/python -m pytest -q tests --ignore=tests/qwen --ignore=tests/replicas -m slow
+	$(BIN)/python -m pytest -q tests --ignore=tests/qwen --ignore=tests/replicas --ignore=tests/frameworks -m slow
 
 # Replicas on Ray Serve (`assistgen serve --replicas N`): a local Ray cluster on 127.0.0.1, two replicas.
 test-ray: install llamacpp
 	$(BIN)/pip install --quiet 'ray[serve]==2.60.0'
 	$(BIN)/python -m pytest -q tests/replicas --durations=10
+
+# Agent loops through agent frameworks (openai-agents, pydantic-ai, langchain) against the real server on
+# Qwen2.5-Coder-1.5B (tests/frameworks: tasks of benchmarks/agent_loops.py); CI runs it.
+AGENT_FRAMEWORKS := openai-agents==0.24.0 'pydantic-ai-slim[openai]==2.68.0' langchain-openai==1.8.1
+test-agents: qwen
+	$(BIN)/pip install --quiet $(AGENT_FRAMEWORKS)
+	$(BIN)/python -m pytest -q tests/frameworks --durations=10
 
 # Optional: the Qwen2.5-Coder 1.5B/0.5B pair (1.6 GB of packages) and its slow exactness suite.
 qwen: install llamacpp

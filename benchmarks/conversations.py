@@ -126,7 +126,8 @@ async def run_round(url: str, args, config: str, clients: int, conversations: li
     async def one_client(i: int):
         for conversation in conversations[i::clients]:
             client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=f"conv-{conversation['name']}",
-                                        timeout=args.request_timeout, max_retries=0)
+                                        timeout=args.request_timeout, max_retries=2)  # (a keep-alive
+            # connection the server closed is retried: llama-server's cpp-httplib closes idle ones)
             messages, replies = [], []
             for turn, text in enumerate(conversation["turns"]):
                 messages.append({"role": "user", "content": text})

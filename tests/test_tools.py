@@ -14,6 +14,8 @@ import jsonschema
 import openai
 import pytest
 from helpers import start_serve_command
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from assistgen import Constant, generate, load_model
 from assistgen.api import encode_chat, use_chat_template
@@ -78,6 +80,42 @@ def test_calls_read_from_steps_of_1_to_17_tokens_are_the_whole_texts_calls(smol)
         assert content == whole.content
         assert [[c[0], "".join(c[2:])] for _, c in sorted(calls.items())] == whole.calls
         assert len({c[1] for c in calls.values()}) == 2 and finishes[-1] == "tool_calls" and not any(finishes[:-1])
+
+
+FENCED_TEXT = ('Sure.\n```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris", "unit": "celsius"}\n}\n'
+               '```\nAnd a config:\n```json\n{"name": "my-app", "version": "1.0"}\n```')
+
+
+def test_a_call_written_as_a_markdown_json_block_is_read_as_a_call_other_json_stays_text(smol):
+    """Small models asked for <tool_call> tags often write a call as a JSON block: one whose "name" is a tool's is a
+    call; a JSON block naming anything else (a package.json) stays text, however the text is split."""
+    syntax = HERMES.for_tools(["get_weather", "get_time"])
+    whole = parse_calls(syntax, FENCED_TEXT)
+    assert whole.calls == [["get_weather", '{"city": "Paris", "unit": "celsius"}']]
+    assert whole.content == 'Sure.\nAnd a config:\n```json\n{"name": "my-app", "version": "1.0"}\n```'
+    for seed in range(20):
+        assert parse_calls(syntax, [c.text for c in steps_of(smol.tokenizer, FENCED_TEXT, seed)]) == whole
+    assert parse_calls(HERMES, FENCED_TEXT).calls == []  # (no tools named: no fenced calls)
+    bare = parse_calls(syntax, '{"name": "get_time", "arguments": {"tz": "a } \\" {"}}')
+    assert bare.calls == [["get_time", '{"tz": "a } \\" {"}']] and bare.content == ""
+
+
+def test_in_auto_a_call_opened_in_any_form_follows_the_schema_and_text_stays_free(smol):
+    import xgrammar
+
+    from assistgen.core.constraint import compile_structure
+
+    structure = call_structure(HERMES, [Tool.of(t, "t") for t in TOOLS], "auto")
+    grammar = compile_structure(smol.tokenizer, smol.vocab_size, structure)
+
+    def accepts(text: str) -> bool:
+        return xgrammar.GrammarMatcher(grammar).accept_string(text)
+
+    assert accepts(FENCED_TEXT.split("And")[0]) and accepts('```json\n{"name": "my-app", "version": "1.0"}\n```')
+    assert accepts('<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>')
+    assert not accepts('```json\n{\n  "name": "get_weather",\n  "arguments": {"town": "Paris"}')  # (not its schema)
+    assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"city": 3}}')
+    assert not accepts('<tool_call>\n{"name": "delete_all"')  # (not a tool)
 
 
 def test_a_template_without_tools_has_no_call_syntax_and_refuses_tools():
@@ -204,3 +242,69 @@ def test_bad_tool_fields_are_400s_naming_the_field(server):
                    "not JSON")
         assert_400(http.post(url, json={**base, "messages": ASK + [{"role": "tool", "content": "42"}]}),
                    "messages.1.tool_call_id", "names the call")
+
+
+# --- fuzz: whatever a client sends in tools, tool_choice and messages, never a 5xx ------------------------------
+
+JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.text(max_size=8), st.lists(st.integers(), max_size=2))
+SCHEMA = st.recursive(
+    st.fixed_dictionaries({}, optional={"type": st.sampled_from(["string", "integer", "number", "boolean", "null",
+                                                                  "array", "object", "nope"]),
+                                        "enum": st.lists(st.one_of(st.text(max_size=4), st.integers()), max_size=3),
+                                        "pattern": st.sampled_from(["[a-z]+", "(unclosed", "^x$"]),
+                                        "minLength": st.integers(-1, 3), "$ref": st.sampled_from(["#/nowhere", "#"])}),
+    lambda inner: st.fixed_dictionaries({}, optional={
+        "type": st.sampled_from(["object", "array"]), "properties": st.dictionaries(st.text(max_size=4), inner,
+                                                                                    max_size=3),
+        "items": inner, "required": st.lists(st.text(max_size=4), max_size=2), "anyOf": st.lists(inner, max_size=2),
+        "additionalProperties": st.one_of(st.booleans(), inner)}),
+    max_leaves=6)
+NAMES = st.one_of(st.sampled_from(["get_weather", "get_time", "f"]), st.text(max_size=10))
+TOOL = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["function", "function", "web_search"]),
+                           "function": st.fixed_dictionaries({"name": NAMES},
+                                                             optional={"parameters": st.one_of(SCHEMA, JUNK),
+                                                                       "description": st.one_of(st.text(max_size=8),
+                                                                                                JUNK)})}),
+    st.sampled_from(TOOLS), JUNK)
+CALL = st.one_of(st.fixed_dictionaries({"id": st.text(max_size=4), "type": st.just("function"), "function":
+                                        st.fixed_dictionaries({"name": NAMES, "arguments": st.one_of(
+                                            st.sampled_from(['{"city": "Oslo"}', "{}", "{bad", "[1]", '"x"']),
+                                            JUNK)})}), JUNK)
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "assistant", "tool", "system", "developer", "function", "wizard"])},
+    optional={"content": st.one_of(st.text(max_size=12), st.none(), st.lists(
+        st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=6)}),
+        max_size=2)), "tool_calls": st.one_of(
+        st.lists(CALL, max_size=2), st.integers(), st.booleans(), st.text(max_size=4),
+        st.dictionaries(st.text(max_size=3), JUNK, max_size=2)), "tool_call_id": st.one_of(
+            st.text(min_size=1, max_size=4), st.text(min_size=1, max_size=4), JUNK)})
+BODY = st.fixed_dictionaries(
+    {"messages": st.one_of(st.lists(MESSAGE, min_size=1, max_size=4),
+                           st.lists(MESSAGE, max_size=3).map(lambda more: ASK + more))},
+    optional={"tools": st.one_of(st.lists(TOOL, max_size=3), JUNK),
+              "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required", "any"]), st.fixed_dictionaries(
+                  {"type": st.just("function"), "function": st.fixed_dictionaries({"name": NAMES})}), JUNK),
+              "parallel_tool_calls": JUNK, "stream": st.booleans()})
+
+
+@pytest.mark.integration
+def test_fuzzed_tools_tool_choice_and_messages_never_get_a_5xx(server):
+    """A bounded fuzz (127.0.0.1, 300 requests of 2 tokens at most): every answer is a 200 or a 4xx with OpenAI's
+    error body naming the problem."""
+    seen = {"ok": 0, "refused": 0}
+    with httpx.Client(timeout=120) as http:
+        @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(BODY)
+        def check(body):
+            response = http.post(f"{server}/v1/chat/completions", json={"model": "smollm2-135m", "max_tokens": 2,
+                                                                      **body})
+            assert response.status_code < 500, (body, response.text)
+            if response.status_code == 200:
+                seen["ok"] += 1
+            else:
+                assert response.json()["error"]["message"], body
+                seen["refused"] += 1
+
+        check()
+    assert seen["ok"] > 5 and seen["refused"] > 5  # (the fuzz reached the engine and the checks both)

@@ -2,16 +2,18 @@
 parser that reads calls back out of the generated text, whole or while it streams.
 
 Contract: `call_syntax(tokenizer)` is the call syntax a model's chat template renders (`HERMES`, the one of
-Qwen2.5/Qwen3 and Hermes templates: `<tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call>`), or None when
-the template renders no tools. `Tool.of(spec, where)` checks one OpenAI function tool (ConfigError naming `where`
-and the fix). `call_structure(syntax, tools, choice, parallel)` is the `config.Structure` (an xgrammar structural
-tag) under which every call the model writes is one of `tools` with arguments valid for that tool's parameter
-schema (laid out as templates render arguments), named by the tool's place when it does not compile
-(`ToolSchemaError`): with `choice="auto"` text is free until the model writes the opening tag; "required" and a
-tool's name make the output calls only; `parallel=False` ends it after the first call. `CallParser.feed(text)` takes the
-generated text in pieces of any size (one step may accept 17 tokens) and returns `Content`, `CallStart` and
-`Arguments` events, holding back only what may still turn out to be syntax; `finish()` releases the rest. The
-events of any split of a text add up to those of the whole (`parse_calls`).
+Qwen2.5/Qwen3 and Hermes templates: `<tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call>`; besides its
+own form a syntax reads the forms small models write instead, a markdown JSON block whose "name" is a tool's), or
+None when the template renders no tools; `syntax.for_tools(names)` binds it to a request's tools. `Tool.of(spec,
+where)` checks one OpenAI function tool (ConfigError naming `where` and the fix). `call_structure(syntax, tools,
+choice, parallel)` is the `config.Structure` (an xgrammar structural tag) under which every call the model writes is
+one of `tools` with arguments valid for that tool's parameter schema (laid out as templates render arguments), named
+by the tool's place when it does not compile (`ToolSchemaError`): with `choice="auto"` text is free until the model
+opens a call in one of the forms; "required" and a tool's name make the output calls only, in the template's form;
+`parallel=False` ends it after the first call. `CallParser.feed(text)` takes the generated text in pieces of any size
+(one step may accept 17 tokens) and returns `Content`, `CallStart` and `Arguments` events, holding back only what may
+still turn out to be syntax; `finish()` releases the rest. The events of any split of a text add up to those of the
+whole (`parse_calls`).
 """
 
 from __future__ import annotations
@@ -28,22 +30,61 @@ EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
 @dataclass(frozen=True)
-class CallSyntax:
-    """How a template writes one call: `open` + `{"name": "NAME", "arguments": ` + ARGS + `}` + `close`."""
+class CallForm:
+    """One way a call is written: `open` + `lead` + NAME + `middle` + ARGS + `close`. `named`: the trigger that opens
+    a call in free text includes the tool's name (for forms the template does not ask for, so that other JSON in a
+    reply, a package.json's "name", never turns into a call)."""
 
-    name: str
-    open: str  # the trigger: the model writing it starts a call
-    close: str
+    open: str
+    lead: str  # from the end of `open` to the name's first character: how the object opens
+    middle: str = '", "arguments": '
+    close: str = "}"
+    named: bool = False
 
-    def head(self, tool: str) -> str:
-        return f'{self.open}{{"name": "{tool}", "arguments": '
+    def begin(self, tool: str) -> str:
+        return f"{self.open}{self.lead}{tool}{self.middle}"
+
+    def trigger(self, tool: str) -> str:
+        return f'{self.open}{self.lead}{tool}"' if self.named else self.open
 
     @property
     def tail(self) -> str:
-        return "}" + self.close
+        return self.close
 
 
-HERMES = CallSyntax("hermes", "<tool_call>\n", "\n</tool_call>")
+# Small models asked for `<tool_call>` tags often write the call as JSON in a markdown block, or bare, instead; where
+# such a JSON object's "name" is one of the tools', the call is read (and constrained) as one, laid out as the model
+# began it (on one line, or a key per line indented by 2 or 4).
+FENCED = tuple(form for fence in ("```json\n", "```\n") for form in (
+    CallForm(fence, '{"name": "', close="}\n```", named=True),
+    *(CallForm(fence, f'{{\n{pad}"name": "', f'",\n{pad}"arguments": ', "\n}\n```", named=True)
+      for pad in ("  ", "    "))))
+BARE = (CallForm("", '{"name": "', named=True),)  # (the same object with no block around it)
+
+
+@dataclass(frozen=True)
+class CallSyntax:
+    """How a template writes calls: `forms[0]` is the template's own (what a due call is written in), the others
+    are read and constrained where the model opens a call with them. `tools`: the names of the request's tools
+    (the named triggers' names; `for_tools`)."""
+
+    name: str
+    forms: tuple[CallForm, ...]
+    tools: tuple[str, ...] = ()
+
+    def for_tools(self, names: list[str]) -> CallSyntax:
+        return CallSyntax(self.name, self.forms, tuple(names))
+
+    def triggers(self) -> list[tuple[str, CallForm]]:
+        """(trigger, form) for every way a call may open in free text."""
+        out: dict[str, CallForm] = {}
+        for form in self.forms:
+            for tool in (self.tools if form.named else ("",)):
+                out.setdefault(form.trigger(tool), form)
+        return list(out.items())
+
+
+HERMES = CallSyntax("hermes", (CallForm("<tool_call>", '\n{"name": "', close="}\n</tool_call>"), *FENCED, *BARE))
 
 
 def call_syntax(tokenizer) -> CallSyntax | None:
@@ -107,19 +148,25 @@ def arguments_grammar(tool: Tool, index: int) -> str:
 
 def call_structure(syntax: CallSyntax, tools: list[Tool], choice: str = "auto", parallel: bool = True) -> Structure:
     """The structural tag under which the model's calls are `tools`' with valid arguments. choice: "auto" (text,
-    and calls where the model opens one), "required" (calls only, at least one) or a tool's name (calls of that
-    tool only); `parallel=False`: one call at most."""
+    and calls where the model opens one in any of the syntax's forms), "required" (calls only, at least one, in the
+    template's own form) or a tool's name (calls of that tool only); `parallel=False`: one call at most."""
     chosen = [(i, t) for i, t in enumerate(tools) if choice in ("auto", "required") or t.name == choice]
     if not chosen:
         raise ConfigError(f"tool_choice names {choice!r}, which is not among the tools.")
-    tags = [{"type": "tag", "begin": syntax.head(t.name), "end": syntax.tail,
-             "content": {"type": "grammar", "grammar": arguments_grammar(t, i)}} for i, t in chosen]
+    grammars = {t.name: arguments_grammar(t, i) for i, t in chosen}
+
+    def tag(form: CallForm, tool: Tool) -> dict:
+        return {"type": "tag", "begin": form.begin(tool.name), "end": form.tail,
+                "content": {"type": "grammar", "grammar": grammars[tool.name]}}
+
     if choice == "auto":
-        calls = {"type": "triggered_tags", "triggers": [syntax.open.rstrip("\n")], "tags": tags,
+        named = syntax.for_tools([t.name for _, t in chosen])
+        tags = [tag(form, t) for form in syntax.forms for _, t in chosen]
+        calls = {"type": "triggered_tags", "triggers": [trigger for trigger, _ in named.triggers()], "tags": tags,
                  "at_least_one": False, "stop_after_first": not parallel}
     else:
-        calls = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
-                 "stop_after_first": not parallel}
+        calls = {"type": "tags_with_separator", "tags": [tag(syntax.forms[0], t) for _, t in chosen],
+                 "separator": "\n", "at_least_one": True, "stop_after_first": not parallel}
     return Structure("structural_tag", json.dumps({"type": "structural_tag", "format": calls}))
 
 
@@ -158,11 +205,12 @@ class CallParser:
     """Generated text -> events, as it comes (see the module's contract)."""
 
     def __init__(self, syntax: CallSyntax):
-        self.syntax = syntax
-        self.open = syntax.open.rstrip("\n")  # (what follows the tag is read as the call's head, whitespace and all)
+        self.triggers = syntax.triggers()
+        self.form: CallForm | None = None  # the form of the call being read
         self.buffer = ""
-        self.state = "text"  # text | head (a call opened, its name not read yet) | arguments
+        self.state = "text"  # text | head (a call opened, its name not read yet) | arguments | tail (the form's end)
         self.calls = 0
+        self.arguments = ""  # the arguments of the call being read, so far
 
     def feed(self, text: str) -> list:
         self.buffer += text
@@ -183,11 +231,14 @@ class CallParser:
         return []
 
     def _text(self) -> list:
-        at = self.buffer.find(self.open)
-        if at >= 0:
-            text, self.buffer, self.state = self.buffer[:at].rstrip(), self.buffer[at + len(self.open):], "head"
+        found = [(self.buffer.find(t), form) for t, form in self.triggers if t in self.buffer]
+        if found:
+            at, self.form = min(found, key=lambda f: f[0])
+            # (what follows the form's opening is read as the call's head, whitespace and all)
+            text, self.buffer = self.buffer[:at].rstrip(), self.buffer[at + len(self.form.open):]
+            self.state = "head"
             return [Content(text)] if text else []
-        keep = held_back(self.buffer, self.open)
+        keep = max((held_back(self.buffer, t) for t, _ in self.triggers), default=0)
         stripped = self.buffer[: len(self.buffer) - keep]
         keep += len(stripped) - len(stripped.rstrip())  # (whitespace waits: it may only separate two calls)
         emit = self.buffer[: len(self.buffer) - keep]
@@ -203,13 +254,41 @@ class CallParser:
         return [CallStart(self.calls - 1, match.group(1))]
 
     def _arguments(self) -> list:
-        at = self.buffer.find(self.syntax.tail)
-        if at >= 0:
-            text, self.buffer, self.state = self.buffer[:at], self.buffer[at + len(self.syntax.tail):], "text"
-            return [Arguments(self.calls - 1, text)] if text else []
-        emit = self.buffer[: len(self.buffer) - held_back(self.buffer, self.syntax.tail)]
-        self.buffer = self.buffer[len(emit):]
-        return [Arguments(self.calls - 1, emit)] if emit else []
+        seen = len(self.arguments)
+        self.arguments += self.buffer
+        end = object_end(self.arguments)
+        if end is None:  # (the arguments go on)
+            self.buffer = ""
+            text = self.arguments[seen:]
+        else:
+            text, self.buffer = self.arguments[seen:end], self.arguments[end:]
+            self.arguments, self.state = "", "tail"
+        return [Arguments(self.calls - 1, text)] if text else []
+
+    def _tail(self) -> list:
+        tail = self.form.tail
+        if self.buffer.startswith(tail):
+            self.buffer, self.state = self.buffer[len(tail):], "text"
+        elif not tail.startswith(self.buffer):  # (not the form's end after all: text again)
+            self.state = "text"
+        return []
+
+
+def object_end(text: str) -> int | None:
+    """Where the JSON object at the start of `text` (after whitespace) ends, or None while it is unfinished."""
+    depth, in_string, escaped = 0, False, False
+    for i, c in enumerate(text):
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (c == "\\", c != '"')
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
 
 
 @dataclass

@@ -256,7 +256,7 @@ def install_error_handlers(app: FastAPI) -> None:
 def generation_config(body: Sampling, limit: int | None, room: int,
                       calls: Structure | None = None) -> GenerationConfig:
     """The body's GenerationConfig for a prompt that leaves `room` positions of the context: asked-for new tokens
-    above `limit` (the server's) or `room` are a 400; none asked for: the library's default, within both; `calls`:
+    above `limit` (the server's) or `room` are a 400; none asked for: up to `room`, within `limit`; `calls`:
     the structure its tool calls follow (`core.tools.call_structure`), which excludes a response format. (The
     endpoints call `refuse_unsupported` first.)"""
     if body.n not in (None, 1):
@@ -275,9 +275,9 @@ def generation_config(body: Sampling, limit: int | None, room: int,
     settings.update(logprobs=body.asked_logprobs(), prompt_logprobs=body.asked_prompt_logprobs(),
                     structure=structure or calls)
     config = GenerationConfig(**settings)
-    if asked is None:
+    if asked is None:  # (as OpenAI and vLLM: up to the end of the context, within the server's limit)
         bound = min(room, limit) if limit is not None else room
-        config = GenerationConfig(**{**settings, "max_new_tokens": max(1, min(config.max_new_tokens, bound))})
+        config = GenerationConfig(**{**settings, "max_new_tokens": max(1, bound)})
     elif isinstance(asked, int) and asked > 0:
         if limit is not None and asked > limit:
             raise APIError(400, f"{field} is {asked}, above this server's limit {limit}.", param=field)
@@ -461,147 +461,3 @@ def tool_choice_name(choice, names: list[str]) -> str:
         raise APIError(400, f"tool_choice names {named!r}, which is not among the tools ({', '.join(names)}).",
                        param="tool_choice")
     return named
-
-
-# --- the Responses API ----------------------------------------------------------------------------------------
-
-# Fields of POST /v1/responses this server does not do, accepted only at their "off" values (as REFUSED).
-RESPONSES_REFUSED: dict[str, tuple[tuple, str]] = {
-    "previous_response_id": ((None,), "nothing is stored by this server: send the whole conversation as input."),
-    "conversation": ((None,), "nothing is stored by this server: send the whole conversation as input."),
-    "store": ((None, False), "nothing is stored by this server: leave store false."),
-    "background": ((None, False), "background responses are not supported."),
-    "reasoning": ((None, {}, {"effort": None}, {"effort": None, "summary": None}),
-                  "this model has no reasoning settings."),
-    "include": ((None, []), "include lists extra outputs this server does not produce."),
-    "prompt": ((None,), "stored prompt templates are not supported: send the input."),
-    "truncation": ((None, "disabled"), "truncation must be disabled: a long input is a 400, never cut."),
-    "max_tool_calls": ((None,), "max_tool_calls is not supported: use parallel_tool_calls false for one call."),
-    "top_logprobs": ((None, 0), "top_logprobs is not supported on /v1/responses: use chat completions."),
-    "service_tier": ((None, "auto", "default"), "this server has one service tier."),
-    "frequency_penalty": ((None, 0, 0.0), "penalties are not supported: leave it at 0."),
-    "presence_penalty": ((None, 0, 0.0), "penalties are not supported: leave it at 0."),
-}
-RESPONSES_NO_EFFECT = {"user": "an end-user id", "metadata": "tags for stored replies", "safety_identifier":
-                       "an end-user id", "prompt_cache_key": "a caching hint (prefixes are kept per API key)"}
-
-
-class ResponsesRequest(Sampling):
-    """POST /v1/responses: `input` (a string or a list of items: messages, function calls and their outputs),
-    `instructions` (a system message first), `max_output_tokens`, `text.format` (as chat's response_format),
-    function `tools` (flat: {"type": "function", "name", "parameters"}), `tool_choice`, `parallel_tool_calls`."""
-
-    input: str | list[Any]
-    instructions: str | None = None
-    max_output_tokens: int | None = Field(None, strict=True)
-    text: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
-    metadata: Any = None
-    safety_identifier: Any = None
-    prompt_cache_key: Any = None
-    previous_response_id: Any = None
-    conversation: Any = None
-    store: Any = None
-    background: Any = None
-    reasoning: Any = None
-    include: Any = None
-    prompt: Any = None
-    truncation: Any = None
-    max_tool_calls: Any = None
-    top_logprobs: Any = None
-    service_tier: Any = None
-
-    def new_tokens(self) -> int | None:
-        if self.max_tokens is not None:
-            raise APIError(400, "max_tokens: /v1/responses bounds the reply with max_output_tokens.",
-                           param="max_tokens")
-        return self.max_output_tokens
-
-    def tokens_field(self) -> str:
-        return "max_output_tokens"
-
-    def checked_format(self) -> None:
-        """text.format (text | json_object | json_schema {name, schema, strict}) read as chat's response_format."""
-        if self.text is None:
-            return
-        fmt = self.text.get("format") if isinstance(self.text, dict) else None
-        if isinstance(self.text, dict) and self.text.get("verbosity") not in (None, "medium"):
-            raise APIError(400, "text.verbosity: this server has no verbosity setting.", param="text.verbosity")
-        if fmt is None:
-            if not isinstance(self.text, dict):
-                raise APIError(400, 'text: give {"format": {"type": "text" | "json_object" | "json_schema"}}.',
-                               param="text")
-            return
-        if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-            self.response_format = {"type": "json_schema", "json_schema": {"name": fmt.get("name"),
-                                                                           "schema": fmt.get("schema")}}
-        else:
-            self.response_format = fmt
-
-    def chat_tools(self) -> list | None:
-        """The flat function tools as chat's ({"type": "function", "function": {...}}); other kinds are a 400."""
-        if not isinstance(self.tools, list):
-            return self.tools
-        out = []
-        for i, tool in enumerate(self.tools):
-            if not isinstance(tool, dict) or tool.get("type") != "function":
-                kind = tool.get("type") if isinstance(tool, dict) else None
-                raise APIError(400, f"tools[{i}]: only function tools are supported here, got {kind!r}.",
-                               param=f"tools.{i}")
-            out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
-        return out
-
-    def messages(self) -> list[dict]:
-        """The input as chat messages: `instructions` first, a function call (or several in a row) as an assistant
-        message's tool_calls, a call's output as a tool message."""
-        out = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
-        if not items:
-            raise APIError(400, "input: give a string or a non-empty list of items.", param="input")
-        for i, item in enumerate(items):
-            out_item = input_message(item, f"input.{i}")
-            if "tool_calls" in out_item and out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
-                out[-1]["tool_calls"] += out_item["tool_calls"]
-            else:
-                out.append(out_item)
-        return message_dicts([Message(**m) for m in out])
-
-
-def input_message(item, param: str) -> dict:
-    """One Responses input item as a chat message dict."""
-    if not isinstance(item, dict):
-        raise APIError(400, f"{param}: give a message, function_call or function_call_output item.", param=param)
-    kind = item.get("type", "message")
-    if kind == "message":
-        role, content = item.get("role"), item.get("content")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-                    raise APIError(400, f"{param}.content.{j}: only text parts are supported (input_text, "
-                                   "output_text).", param=f"{param}.content.{j}")
-                texts.append(str(part.get("text", "")))
-            content = "".join(texts)
-        if not isinstance(content, str):
-            raise APIError(400, f"{param}.content: give a string or a list of text parts.", param=f"{param}.content")
-        if role not in ("system", "developer", "user", "assistant"):
-            raise APIError(400, f"{param}.role: {role!r} is not a role; use system, developer, user or assistant.",
-                           param=f"{param}.role")
-        return {"role": role, "content": content}
-    if kind == "function_call":
-        if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
-            raise APIError(400, f"{param}: a function_call item has call_id, name and arguments.", param=param)
-        call = {"id": item["call_id"], "type": "function",
-                "function": {"name": item["name"], "arguments": item.get("arguments", "{}")}}
-        return {"role": "assistant", "content": None, "tool_calls": [call_dict(call, param)]}
-    if kind == "function_call_output":
-        output = item.get("output")
-        if isinstance(output, list):
-            output = "".join(str(p.get("text", "")) for p in output if isinstance(p, dict))
-        if not isinstance(item.get("call_id"), str) or not isinstance(output, str):
-            raise APIError(400, f"{param}: a function_call_output item has call_id and output.", param=param)
-        return {"role": "tool", "content": output, "tool_call_id": item["call_id"]}
-    raise APIError(400, f"{param}.type: {kind!r} items are not supported (message, function_call, "
-                   "function_call_output).", param=f"{param}.type")

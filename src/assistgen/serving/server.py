@@ -2,9 +2,10 @@
 
 Contract: `create_app(engine, settings, make_drafter)` builds a FastAPI app (no model loading: tests pass
 a loaded model's engine) serving `POST /v1/completions`, `POST /v1/chat/completions` (both with
-`stream: true` as server-sent events), `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` and
-`GET /metrics` (Prometheus text from the app's own registry, `metrics.py`). The handlers are module-level
-functions over the app's `AppState` (engine, settings, metrics, whether it is closing). Every request is
+`stream: true` as server-sent events), `POST /v1/responses` (the Responses API, `responses.py`; tool calls on
+chat and responses: `core.tools`), `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` and `GET /metrics`
+(Prometheus text from the app's own registry, `metrics.py`). The handlers are module-level functions over the
+app's `AppState` (engine, settings, metrics, whether it is closing). Every request is
 checked in full before it reaches the engine (`protocol.py`): each field OpenAI's API defines is honoured or,
 where this server does not do it, refused unless left at its "off" value; a prompt plus the new tokens asked
 for must fit the context. A completion request with several prompts runs them as separate engine requests,
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import signal
 import threading
 import time
@@ -73,6 +75,7 @@ from assistgen.serving.protocol import (
     refuse_unsupported,
     tool_plan,
 )
+from assistgen.serving.responses import RESPONSES_REFUSED, Reply, ResponsesRequest
 from assistgen.stats import Stats
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
@@ -316,8 +319,8 @@ async def respond(state: AppState, body: Sampling, jobs: list[Job], chat: bool, 
     return await reply(state, jobs, head, chat, http, echoes)
 
 
-async def reply(state: AppState, jobs: list[Job], head: dict, chat: bool, http: HTTPRequest,
-                echoes: list[str] | None) -> JSONResponse:
+async def finished(state: AppState, jobs: list[Job], http: HTTPRequest) -> None:
+    """Wait for every job to finish (a client gone meanwhile cancels them); a failed one raises its 500."""
     watcher = asyncio.create_task(cancel_when_gone(jobs, http))
     try:
         async for _ in merged(state, jobs):
@@ -328,6 +331,11 @@ async def reply(state: AppState, jobs: list[Job], head: dict, chat: bool, http: 
         error = failure(job)
         if error is not None:
             raise error
+
+
+async def reply(state: AppState, jobs: list[Job], head: dict, chat: bool, http: HTTPRequest,
+                echoes: list[str] | None) -> JSONResponse:
+    await finished(state, jobs, http)
     tokenizer = state.engine.target.tokenizer
     choices = []
     for i, job in enumerate(jobs):
@@ -535,7 +543,51 @@ def tools_for(state: AppState, plan: ToolPlan | None) -> tuple[CallSyntax | None
         calls = call_structure(syntax, plan.tools, plan.choice, plan.parallel)
     except ToolSchemaError as e:
         raise APIError(400, str(e), param=f"tools.{e.index}.function.parameters") from e
-    return syntax, calls, plan.specs
+    return syntax.for_tools([t.name for t in plan.tools]), calls, plan.specs
+
+
+async def responses(body: ResponsesRequest, http: HTTPRequest):
+    """POST /v1/responses: the input as chat messages through the same checks, template, tools and engine as chat
+    completions; the reply as the Responses API's items (`responses.Reply`), whole or streamed."""
+    state = state_of(http)
+    check_model(state, body.model)
+    refuse_unsupported(body, RESPONSES_REFUSED)
+    refuse_unsupported(body)
+    body.checked_format()
+    messages = body.messages()
+    try:
+        plan = tool_plan(body.chat_tools(), body.tool_choice, body.parallel_tool_calls)
+        syntax, calls, specs = tools_for(state, plan)
+    except APIError as e:  # (chat's tools nest a function's fields under "function"; these tools are flat)
+        raise APIError(e.status, flat_tool_names(e.message), e.type, flat_tool_names(e.param)) from e
+    ids = encoded(state, lambda: encode_chat(state.engine.target, messages, specs), "input")
+    jobs = submit(state, body, [ids], http, calls)
+    out = Reply(body, state.settings.model_name, syntax)
+    if body.stream:
+        return StreamingResponse(response_events(state, jobs[0], out), media_type="text/event-stream")
+    await finished(state, jobs, http)
+    job = jobs[0]
+    out.read("".join(job.texts), job.last.finish_reason, job.usage, reply_metrics(jobs))
+    return JSONResponse(out.response())
+
+
+def flat_tool_names(text: str | None) -> str | None:
+    return None if text is None else re.sub(r"(tools(?:\.|\[)\d+\]?)\.function\.", r"\1.", text)
+
+
+async def response_events(state: AppState, job: Job, out: Reply) -> AsyncIterator[str]:
+    """A streamed Responses reply: `event: TYPE` and its JSON per event, ending with the finished response."""
+    def sent(events: list[dict]) -> str:
+        return "".join(f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}\n\n" for e in events)
+
+    yield sent(out.start())
+    async for _, chunk in merged(state, [job]):
+        if chunk.finish_reason is None:
+            yield sent(out.read(chunk.text))
+        else:
+            error = failure(job)
+            yield sent(out.read(chunk.text, chunk.finish_reason, job.usage, reply_metrics([job]),
+                                error.message if error is not None else None))
 
 
 def model_card(state: AppState) -> dict:
@@ -590,6 +642,7 @@ def create_app(engine: BatchEngine, settings: ServerSettings,
     install_error_handlers(app)
     app.post("/v1/completions")(completions)
     app.post("/v1/chat/completions")(chat_completions)
+    app.post("/v1/responses")(responses)
     app.get("/v1/models")(models)
     app.get("/v1/models/{model_id:path}")(model)
     app.get("/health")(health)
