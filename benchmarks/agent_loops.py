@@ -37,7 +37,7 @@ from serve_load import free_port, start_server, stop_server  # noqa: E402
 def get_weather(city: str) -> str:
     """The current weather in a city: temperature in degrees celsius and the sky."""
     return {"paris": "18 degrees celsius, sunny", "lyon": "12 degrees celsius, light rain",
-            "oslo": "-3 degrees celsius, snow"}.get(city.strip().lower(), "21 degrees celsius, clear")
+            "oslo": "-3 degrees celsius, snow"}.get(city.split(",")[0].strip().lower(), "21 degrees celsius, clear")
 
 
 def convert_currency(amount: float, source: str, target: str) -> str:
@@ -119,7 +119,8 @@ TASKS = [
     Task("convert-twice", "Convert 50 GBP to JPY for me.", (convert_currency, get_time), ("convert_currency",),
          ("9556|9,556",)),
 ]
-INSTRUCTIONS = None  # (the model's template then gives its own system prompt, the one it was tuned with)
+INSTRUCTIONS = ("You are a helpful assistant. Use the tools to get facts. When a tool has answered, reply to the user "
+                "in plain words.")
 
 
 def schema_of(fn: Callable) -> dict:

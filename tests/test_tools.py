@@ -98,6 +98,8 @@ def test_a_call_written_as_a_markdown_json_block_is_read_as_a_call_other_json_st
     assert parse_calls(HERMES, FENCED_TEXT).calls == []  # (no tools named: no fenced calls)
     bare = parse_calls(syntax, '{"name": "get_time", "arguments": {"tz": "a } \\" {"}}')
     assert bare.calls == [["get_time", '{"tz": "a } \\" {"}']] and bare.content == ""
+    doubled = parse_calls(syntax, '{{"name": "get_time", "arguments": {"tz": "UTC"}}}')  # (Qwen2.5's example's braces)
+    assert doubled.calls == [["get_time", '{"tz": "UTC"}']] and doubled.content == ""
 
 
 def test_in_auto_a_call_opened_in_any_form_follows_the_schema_and_text_stays_free(smol):

@@ -59,7 +59,8 @@ FENCED = tuple(form for fence in ("```json\n", "```\n") for form in (
     CallForm(fence, '{"name": "', close="}\n```", named=True),
     *(CallForm(fence, f'{{\n{pad}"name": "', f'",\n{pad}"arguments": ', "\n}\n```", named=True)
       for pad in ("  ", "    "))))
-BARE = (CallForm("", '{"name": "', named=True),)  # (the same object with no block around it)
+BARE = (CallForm("", '{"name": "', named=True),  # (the same object with no block around it, or in the doubled
+        CallForm("{", '{"name": "', close="}}", named=True))  # braces of Qwen2.5's template's own example)
 
 
 @dataclass(frozen=True)
