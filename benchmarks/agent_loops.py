@@ -262,7 +262,7 @@ async def run_task(framework: str, url: str, model: str, task: Task, recorder: R
 
 async def replay(url: str, bodies: list[dict]) -> dict:
     """The recorded requests sent again, streamed, one at a time: totals over the turns that called tools (decode
-    time: from the first chunk to the last; acceptance from the server's `metrics.speculative_decoding`)."""
+    time: from the first token's chunk to the last; acceptance from the server's `metrics.speculative_decoding`)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url, api_key="replay", max_retries=2, timeout=600)
@@ -276,7 +276,8 @@ async def replay(url: str, bodies: list[dict]) -> dict:
             if event.usage is not None:
                 tokens = event.usage.completion_tokens
             for choice in event.choices:
-                first = first or time.perf_counter()
+                if choice.delta.content or choice.delta.tool_calls:  # (not the opening role chunk)
+                    first = first or time.perf_counter()
                 text += choice.delta.content or ""
                 for call in choice.delta.tool_calls or []:
                     calls.setdefault(call.index, ["", ""])
@@ -303,6 +304,7 @@ def main() -> int:
     parser.add_argument("--tasks", nargs="+", choices=[t.name for t in TASKS], help="default: all ten")
     parser.add_argument("--serve-flags", default="--lookup --ngram-cache", help="assistgen serve's drafting flags")
     parser.add_argument("--replay", action="store_true", help="replay the tool-call turns: plain vs --serve-flags")
+    parser.add_argument("--requests", type=Path, help="with --replay: write the recorded requests here (JSON)")
     parser.add_argument("--start-timeout", type=float, default=300.0)
     args = parser.parse_args()
     tasks = [t for t in TASKS if args.tasks is None or t.name in args.tasks]
@@ -335,6 +337,8 @@ def main() -> int:
               f"{r['errors']:>7d} {r['seconds']:>7.1f}")
     result = {"model": args.model, "serve_flags": args.serve_flags, "rows": rows}
     if args.replay:
+        if args.requests:
+            args.requests.write_text(json.dumps(recorder.bodies))
         result["replay"] = {}
         for name, flags in (("plain", ""), ("drafting", args.serve_flags)):
             process, url = serve(flags)
