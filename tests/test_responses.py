@@ -57,6 +57,9 @@ def replayed(events: list[dict]) -> list[dict]:
         if kind == "response.output_item.added":
             assert e["output_index"] == len(items)
             items.append(json.loads(json.dumps(e["item"])))
+            assert items[-1].get("content", []) == []  # (as OpenAI: a message's part comes next, on its own)
+        elif kind == "response.content_part.added":
+            items[e["output_index"]]["content"].append(dict(e["part"]))
         elif kind == "response.output_text.delta":
             items[e["output_index"]]["content"][e["content_index"]]["text"] += e["delta"]
         elif kind == "response.function_call_arguments.delta":
@@ -94,6 +97,13 @@ def test_events_from_steps_of_1_to_17_tokens_add_up_to_the_reply():
         assert all(i["status"] == "completed" for i in done)
 
 
+def test_a_reply_that_ends_inside_a_call_leaves_it_incomplete():
+    reply = Reply(ResponsesRequest(input="Hi", tools=TOOLS), NAME, HERMES.for_tools(["get_time"]))
+    events = reply.start() + reply.read('<tool_call>\n{"name": "get_time", "arguments": {"tz": "Eur', "stop")
+    assert events[-1]["type"] == "response.completed"
+    assert events[-1]["response"]["output"][0]["status"] == "incomplete"
+
+
 def strip_ids(items: list[dict]) -> list[dict]:
     return [{k: v for k, v in i.items() if k not in ("id", "call_id")} for i in items]
 
@@ -101,7 +111,7 @@ def strip_ids(items: list[dict]) -> list[dict]:
 def test_a_reply_cut_by_max_output_tokens_is_incomplete():
     reply = Reply(ResponsesRequest(input="Hi", max_output_tokens=3), NAME, None)
     events = reply.start() + reply.read("Hello the")
-    usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+    usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,  # (chat's names)
              "prompt_tokens_details": {"cached_tokens": 2}}
     events += reply.read("re", "length", usage)
     response = events[-1]["response"]

@@ -21,7 +21,7 @@ from assistgen import Constant, generate, load_model
 from assistgen.api import encode_chat, use_chat_template
 from assistgen.core.engine import Chunk
 from assistgen.core.tools import HERMES, Tool, call_structure, call_syntax, parse_calls
-from assistgen.serving.server import CallStream, Job
+from assistgen.serving.server import CallStream, Job, tool_message
 
 TEMPLATE = Path(__file__).resolve().parent / "data" / "hermes_tools.jinja"
 WEATHER = {"type": "function", "function": {
@@ -118,6 +118,24 @@ def test_in_auto_a_call_opened_in_any_form_follows_the_schema_and_text_stays_fre
     assert not accepts('```json\n{\n  "name": "get_weather",\n  "arguments": {"town": "Paris"}')  # (not its schema)
     assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"city": 3}}')
     assert not accepts('<tool_call>\n{"name": "delete_all"')  # (not a tool)
+
+
+def test_a_call_cut_by_a_stop_string_does_not_finish_as_tool_calls(smol):
+    cut = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Eur'
+    stream = CallStream(Job([], None, 0.0, calls=HERMES))
+    assert stream.read(Chunk([1], cut, finish_reason="stop"))[-1] == ({}, "stop")
+    whole = Job([], None, 0.0, texts=[cut], calls=HERMES)
+    assert tool_message(whole, "stop")[1] == "stop"
+    done = Job([], None, 0.0, texts=[cut + 'ope/Paris"}}\n</tool_call>'], calls=HERMES)
+    assert tool_message(done, "stop")[1] == "tool_calls"
+
+
+def test_a_tool_without_parameters_takes_an_empty_object():
+    for parameters in (None, {}, {"properties": {}}):
+        tool = Tool.of({"type": "function", "function": {"name": "now", "parameters": parameters}}, "t")
+        assert tool.parameters["type"] == "object"
+        structure = call_structure(HERMES, [tool], "required")
+        assert "now" in structure.spec
 
 
 def test_a_template_without_tools_has_no_call_syntax_and_refuses_tools():

@@ -52,6 +52,12 @@ def compiler_for(tokenizer, vocab_size: int):
     return _COMPILERS[key][1]
 
 
+def xgrammar_detail(e: Exception) -> str:
+    """The line of an xgrammar error that says what is wrong (without its time and C++ source line)."""
+    detail = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    return re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", detail)
+
+
 def compile_structure(tokenizer, vocab_size: int, structure: Structure):
     """The compiled grammar of `structure`; JSON is laid out with ", " and ": " between items and no other
     whitespace, so that a model cannot spend its tokens on blank lines inside the value."""
@@ -69,8 +75,7 @@ def compile_structure(tokenizer, vocab_size: int, structure: Structure):
     except (RuntimeError, ValueError, TypeError) as e:
         what = {"json_schema": "JSON schema", "regex": "regular expression", "grammar": "grammar",
                 "structural_tag": "tool or structural tag"}[structure.kind]
-        detail = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        detail = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", detail)  # (xgrammar's time and C++ source line)
+        detail = xgrammar_detail(e)
         raise ConfigError(f"The {what} does not compile: {detail}. Fix it (xgrammar's syntax) and retry.") from e
 
 

@@ -3,8 +3,9 @@ parser that reads calls back out of the generated text, whole or while it stream
 
 Contract: `call_syntax(tokenizer)` is the call syntax a model's chat template renders (`HERMES`, the one of
 Qwen2.5/Qwen3 and Hermes templates: `<tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call>`; besides its
-own form a syntax reads the forms small models write instead, a markdown JSON block whose "name" is a tool's), or
-None when the template renders no tools; `syntax.for_tools(names)` binds it to a request's tools. `Tool.of(spec,
+own form a syntax reads the forms small models write instead: a JSON object whose "name" is a tool's, in a
+markdown block, bare, or in the doubled braces of Qwen2.5's template's example), or None when the template renders
+no tools; `syntax.for_tools(names)` binds it to a request's tools. `Tool.of(spec,
 where)` checks one OpenAI function tool (ConfigError naming `where` and the fix). `call_structure(syntax, tools,
 choice, parallel)` is the `config.Structure` (an xgrammar structural tag) under which every call the model writes is
 one of `tools` with arguments valid for that tool's parameter schema (laid out as templates render arguments), named
@@ -12,8 +13,9 @@ by the tool's place when it does not compile (`ToolSchemaError`): with `choice="
 opens a call in one of the forms; "required" and a tool's name make the output calls only, in the template's form;
 `parallel=False` ends it after the first call. `CallParser.feed(text)` takes the generated text in pieces of any size
 (one step may accept 17 tokens) and returns `Content`, `CallStart` and `Arguments` events, holding back only what may
-still turn out to be syntax; `finish()` releases the rest. The events of any split of a text add up to those of the
-whole (`parse_calls`).
+still turn out to be syntax (and whitespace, which may only separate two calls); `finish()` releases held-back text
+(whitespace at the end dropped); `in_call` says whether the text so far ends inside a call. The events of any split
+of a text add up to those of the whole (`parse_calls`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 
 from assistgen.config import ConfigError, Structure
-from assistgen.core.constraint import xgrammar
+from assistgen.core.constraint import xgrammar, xgrammar_detail
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -116,11 +118,12 @@ class Tool:
             raise ConfigError(f"{where}.function.name: a function name is 1-64 letters, digits, _ or -, got "
                               f"{name!r}.")
         parameters = function.get("parameters")
-        if parameters is None:
+        if not parameters:  # (None or {}: no arguments)
             parameters = dict(EMPTY_PARAMETERS)
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
             raise ConfigError(f'{where}.function.parameters: give a JSON schema of type "object" (the arguments '
                               f"are a JSON object), got {json.dumps(parameters)[:80]}.")
+        parameters = {**parameters, "type": "object"}  # (the arguments are an object, whatever else it allows)
         description = function.get("description") or ""
         if not isinstance(description, str):
             raise ConfigError(f"{where}.function.description: give a string.")
@@ -142,7 +145,7 @@ def arguments_grammar(tool: Tool, index: int) -> str:
     try:
         return str(xgr.Grammar.from_json_schema(json.dumps(tool.parameters), any_whitespace=False))
     except (RuntimeError, ValueError, TypeError) as e:
-        detail = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        detail = xgrammar_detail(e)
         raise ToolSchemaError(index, f"tools[{index}].function.parameters ({tool.name}): the JSON schema does not "
                               f"compile: {detail}") from e
 
@@ -211,7 +214,7 @@ class CallParser:
         self.buffer = ""
         self.state = "text"  # text | head (a call opened, its name not read yet) | arguments | tail (the form's end)
         self.calls = 0
-        self.arguments = ""  # the arguments of the call being read, so far
+        self.scan = ObjectScan()  # where the arguments of the call being read end
 
     def feed(self, text: str) -> list:
         self.buffer += text
@@ -222,8 +225,14 @@ class CallParser:
             if (self.state, len(self.buffer)) == before:
                 return events
 
+    @property
+    def in_call(self) -> bool:
+        """Whether a call has opened and not closed (a generation that ends here left it unfinished)."""
+        return self.state != "text"
+
     def finish(self) -> list:
-        """What is left when the generation ends: held-back text, or a call's unfinished arguments."""
+        """What is left when the generation ends: held-back text (whitespace at the end dropped); an unfinished
+        call's head or tail is dropped (its arguments so far were given as they came)."""
         rest, self.buffer = self.buffer, ""
         if self.state == "arguments" and rest:
             return [Arguments(self.calls - 1, rest)]
@@ -255,15 +264,11 @@ class CallParser:
         return [CallStart(self.calls - 1, match.group(1))]
 
     def _arguments(self) -> list:
-        seen = len(self.arguments)
-        self.arguments += self.buffer
-        end = object_end(self.arguments)
-        if end is None:  # (the arguments go on)
-            self.buffer = ""
-            text = self.arguments[seen:]
-        else:
-            text, self.buffer = self.arguments[seen:end], self.arguments[end:]
-            self.arguments, self.state = "", "tail"
+        text, self.buffer = self.buffer, ""
+        end = self.scan.feed(text)
+        if end is not None:  # (the arguments' object closed `end` characters into this text)
+            text, self.buffer = text[:end], text[end:]
+            self.scan, self.state = ObjectScan(), "tail"
         return [Arguments(self.calls - 1, text)] if text else []
 
     def _tail(self) -> list:
@@ -275,27 +280,33 @@ class CallParser:
         return []
 
 
-def object_end(text: str) -> int | None:
-    """Where the JSON object at the start of `text` (after whitespace) ends, or None while it is unfinished."""
-    depth, in_string, escaped = 0, False, False
-    for i, c in enumerate(text):
-        if in_string:
-            escaped, in_string = (False, True) if escaped else (c == "\\", c != '"')
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+class ObjectScan:
+    """Where a JSON object fed in pieces ends: the state of one scan over its text, kept between pieces."""
+
+    def __init__(self):
+        self.depth, self.in_string, self.escaped = 0, False, False
+
+    def feed(self, text: str) -> int | None:
+        """How far into `text` the object ends (just past its closing brace), or None: it goes on."""
+        for i, c in enumerate(text):
+            if self.in_string:
+                self.escaped, self.in_string = (False, True) if self.escaped else (c == "\\", c != '"')
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return None
 
 
 @dataclass
 class ParsedCalls:
     content: str = ""
     calls: list[list[str]] = field(default_factory=list)  # [name, arguments' JSON text] per call
+    unfinished: bool = False  # the text ended inside a call (a stop string or the token limit cut it)
 
     def add(self, events: list) -> ParsedCalls:
         for e in events:
@@ -314,4 +325,5 @@ def parse_calls(syntax: CallSyntax, pieces: list[str] | str) -> ParsedCalls:
     parsed = ParsedCalls()
     for piece in [pieces] if isinstance(pieces, str) else pieces:
         parsed.add(parser.feed(piece))
+    parsed.unfinished = parser.in_call
     return parsed.add(parser.finish())

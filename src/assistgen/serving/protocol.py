@@ -15,6 +15,7 @@ message. Nothing here runs a model.
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -76,7 +77,7 @@ class Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None  # None: the served model
-    max_tokens: int | None = Field(None, strict=True)  # None: GenerationConfig's default, within the context
+    max_tokens: int | None = Field(None, strict=True)  # None: up to the end of the context (the server's limit)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = Field(None, strict=True)  # an extension of OpenAI's API
@@ -210,6 +211,11 @@ class APIError(Exception):
                  code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
+def new_id(prefix: str) -> str:
+    """An id as OpenAI's look: the prefix, "_", 24 hex digits (call_..., resp_..., msg_..., fc_...)."""
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:

@@ -9,26 +9,28 @@ in `RESPONSES_REFUSED` (a 400 naming the field unless "off", as on the other end
 generation's chunks (text read in its tool-call syntax, `core.tools.CallParser`, or plain text without tools) and
 gives the events OpenAI streams (`response.created`, `response.in_progress`, `response.output_item.added`,
 `response.content_part.added`, `response.output_text.delta`, `response.function_call_arguments.delta` and their
-`.done` events, then `response.completed`, or `response.incomplete` when the reply ran out of tokens), each with its
-`sequence_number`; the response object they end with (`Reply.response`) is the non-streamed reply, built from the
-same items, so a stream and a whole reply agree.
+`.done` events, then `response.completed`, or `response.incomplete` when the reply ran out of tokens or was
+cancelled, or `response.failed`), each with its `sequence_number`; an item the reply ended inside is "incomplete".
+The response object they end with (`Reply.response`) is the non-streamed reply, built from the same items, so a
+stream and a whole reply agree.
 """
 
 from __future__ import annotations
 
 import json
 import time
-import uuid
 from typing import Any
 
 from pydantic import Field
 
 from assistgen.core.tools import Arguments, CallParser, CallStart, CallSyntax, Content
-from assistgen.serving.protocol import APIError, Message, Sampling, call_dict, message_dicts
+from assistgen.serving.protocol import APIError, Message, Sampling, call_dict, message_dicts, new_id
 
 # --- the request ---------------------------------------------------------------------------------------------
 
-# Fields of POST /v1/responses this server does not do, accepted only at their "off" values (as REFUSED).
+# Fields of POST /v1/responses this server does not do, accepted only at their "off" values (as protocol.REFUSED,
+# which is checked too: penalties, store, service_tier). metadata, user, safety_identifier and prompt_cache_key
+# change no reply (prefixes are kept per API key whatever the cache key) and are accepted.
 RESPONSES_REFUSED: dict[str, tuple[tuple, str]] = {
     "previous_response_id": ((None,), "nothing is stored by this server: send the whole conversation as input."),
     "conversation": ((None,), "nothing is stored by this server: send the whole conversation as input."),
@@ -41,12 +43,7 @@ RESPONSES_REFUSED: dict[str, tuple[tuple, str]] = {
     "truncation": ((None, "disabled"), "truncation must be disabled: a long input is a 400, never cut."),
     "max_tool_calls": ((None,), "max_tool_calls is not supported: use parallel_tool_calls false for one call."),
     "top_logprobs": ((None, 0), "top_logprobs is not supported on /v1/responses: use chat completions."),
-    "service_tier": ((None, "auto", "default"), "this server has one service tier."),
-    "frequency_penalty": ((None, 0, 0.0), "penalties are not supported: leave it at 0."),
-    "presence_penalty": ((None, 0, 0.0), "penalties are not supported: leave it at 0."),
 }
-RESPONSES_NO_EFFECT = {"user": "an end-user id", "metadata": "tags for stored replies", "safety_identifier":
-                       "an end-user id", "prompt_cache_key": "a caching hint (prefixes are kept per API key)"}
 
 
 class ResponsesRequest(Sampling):
@@ -141,8 +138,8 @@ class ResponsesRequest(Sampling):
             raise APIError(400, "input: give a string or a non-empty list of items.", param="input")
         for i, item in enumerate(items):
             out_item = input_message(item, f"input.{i}")
-            if "tool_calls" in out_item and out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
-                out[-1]["tool_calls"] += out_item["tool_calls"]
+            if "tool_calls" in out_item and out and out[-1]["role"] == "assistant":  # (one turn: its text, calls)
+                out[-1].setdefault("tool_calls", []).extend(out_item["tool_calls"])
             else:
                 out.append(out_item)
         return message_dicts([Message(**m) for m in out])
@@ -170,7 +167,7 @@ def input_message(item, param: str) -> dict:
                            param=f"{param}.role")
         return {"role": role, "content": content}
     if kind == "function_call":
-        if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
+        if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str) or not item["call_id"]:
             raise APIError(400, f"{param}: a function_call item has call_id, name and arguments.", param=param)
         call = {"id": item["call_id"], "type": "function",
                 "function": {"name": item["name"], "arguments": item.get("arguments", "{}")}}
@@ -179,7 +176,7 @@ def input_message(item, param: str) -> dict:
         output = item.get("output")
         if isinstance(output, list):
             output = "".join(str(p.get("text", "")) for p in output if isinstance(p, dict))
-        if not isinstance(item.get("call_id"), str) or not isinstance(output, str):
+        if not isinstance(item.get("call_id"), str) or not item["call_id"] or not isinstance(output, str):
             raise APIError(400, f"{param}: a function_call_output item has call_id and output.", param=param)
         return {"role": "tool", "content": output, "tool_call_id": item["call_id"]}
     raise APIError(400, f"{param}.type: {kind!r} items are not supported (message, function_call, "
@@ -192,10 +189,6 @@ def input_message(item, param: str) -> dict:
 STATUS = {"eos": ("completed", None), "stop": ("completed", None), "length": ("incomplete", "max_output_tokens"),
           "context": ("incomplete", "max_output_tokens"), "cancelled": ("cancelled", None),
           "error": ("failed", None)}
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
 def responses_usage(usage: dict) -> dict:
@@ -232,6 +225,7 @@ class Reply:
              metrics: dict | None = None, error: str | None = None) -> list[dict]:
         """The events for one more piece of generated text; `finish_reason` (the engine's) ends the reply."""
         pieces = [Content(text)] if self.parser is None else self.parser.feed(text)
+        unfinished = self.parser is not None and self.parser.in_call
         if finish_reason is not None and self.parser is not None:
             pieces += self.parser.finish()
         events = [e for piece in pieces for e in self.add(piece)]
@@ -244,7 +238,7 @@ class Reply:
         self.metrics = metrics
         kind = {"completed": "response.completed", "failed": "response.failed"}.get(self.status,
                                                                                    "response.incomplete")
-        return events + self.close() + [self.event(kind, response=self.response())]
+        return events + self.close(cut=unfinished) + [self.event(kind, response=self.response())]
 
     def add(self, piece) -> list[dict]:
         if isinstance(piece, Content):
@@ -266,18 +260,21 @@ class Reply:
     def begin(self, item: dict) -> list[dict]:
         self.output.append(item)
         self.open = item
-        events = [self.event("response.output_item.added", output_index=len(self.output) - 1, item=snapshot(item))]
+        added = {**snapshot(item), "content": []} if item["type"] == "message" else snapshot(item)  # (as OpenAI:
+        # the part comes with content_part.added)
+        events = [self.event("response.output_item.added", output_index=len(self.output) - 1, item=added)]
         if item["type"] == "message":
             events.append(self.event("response.content_part.added", **self.where(), content_index=0,
                                      part=snapshot(item["content"][0])))
         return events
 
-    def close(self) -> list[dict]:
-        """The .done events of the open item (none open: none)."""
+    def close(self, cut: bool = False) -> list[dict]:
+        """The .done events of the open item (none open: none); `cut`: the reply ended inside it."""
         if self.open is None:
             return []
         item, where = self.open, self.where()
-        item["status"] = "completed" if self.status in ("in_progress", "completed") else "incomplete"
+        done = self.status in ("in_progress", "completed") and not cut
+        item["status"] = "completed" if done else "incomplete"
         if item["type"] == "message":
             part = item["content"][0]
             events = [self.event("response.output_text.done", **where, content_index=0, text=part["text"], logprobs=[]),

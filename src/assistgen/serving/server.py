@@ -72,6 +72,7 @@ from assistgen.serving.protocol import (
     generation_config,
     install_error_handlers,
     message_dicts,
+    new_id,
     refuse_unsupported,
     tool_plan,
 )
@@ -408,21 +409,22 @@ async def events(state: AppState, jobs: list[Job], head: dict, chat: bool, inclu
 # --- tool calls ---------------------------------------------------------------------------------------------
 
 
-def call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 def tool_message(job: Job, finish_reason: str | None) -> tuple[dict, str | None]:
     """A finished chat choice's message read in its tool-call syntax, and its finish reason ("tool_calls" where
     it ended after calling)."""
     parsed = parse_calls(job.calls, job.texts)
     message = {"role": "assistant", "content": parsed.content.strip() or None}
     if parsed.calls:
-        message["tool_calls"] = [{"id": call_id(), "type": "function", "function": {"name": n, "arguments": a}}
+        message["tool_calls"] = [{"id": new_id("call"), "type": "function", "function": {"name": n, "arguments": a}}
                                  for n, a in parsed.calls]
-        if finish_reason == "stop":
-            finish_reason = "tool_calls"
+        finish_reason = chat_finish(finish_reason, True, parsed.unfinished)
     return message, finish_reason
+
+
+def chat_finish(reason: str | None, called: bool, unfinished: bool) -> str | None:
+    """A chat choice's finish reason: "tool_calls" where it stopped after calling (not inside a call: a stop
+    string that cut a call leaves "stop")."""
+    return "tool_calls" if called and reason == "stop" and not unfinished else reason
 
 
 class CallStream:
@@ -438,12 +440,13 @@ class CallStream:
     def read(self, chunk: Chunk) -> list[tuple[dict, str | None]]:
         """(delta, finish reason) pairs for one chunk."""
         events = self.parser.feed(chunk.text)
+        unfinished = self.parser.in_call
         if chunk.finish_reason is not None:
             events += self.parser.finish()
         out = [(self.delta(e), None) for e in events]
         if chunk.finish_reason is not None:
             finish = FINISH_REASONS.get(chunk.finish_reason)
-            out.append(({}, "tool_calls" if self.called and finish == "stop" else finish))
+            out.append(({}, chat_finish(finish, self.called, unfinished)))
         elif not out and chunk.logprobs:
             out = [({"content": ""}, None)]
         self.first = out[0][0] if out else None
@@ -454,7 +457,7 @@ class CallStream:
             return {"content": event.text}
         if isinstance(event, CallStart):
             self.called = True
-            return {"tool_calls": [{"index": event.index, "id": call_id(), "type": "function",
+            return {"tool_calls": [{"index": event.index, "id": new_id("call"), "type": "function",
                                     "function": {"name": event.name, "arguments": ""}}]}
         return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
 
@@ -543,6 +546,8 @@ def tools_for(state: AppState, plan: ToolPlan | None) -> tuple[CallSyntax | None
         calls = call_structure(syntax, plan.tools, plan.choice, plan.parallel)
     except ToolSchemaError as e:
         raise APIError(400, str(e), param=f"tools.{e.index}.function.parameters") from e
+    except ConfigError as e:  # (xgrammar missing)
+        raise APIError(400, str(e), param="tools") from e
     return syntax.for_tools([t.name for t in plan.tools]), calls, plan.specs
 
 
