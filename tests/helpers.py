@@ -7,6 +7,7 @@ from here, never from each other or conftest."""
 from __future__ import annotations
 
 import string
+from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -175,3 +176,55 @@ def assert_exact_or_near_tie(model: Model, prompt: list[int], reference: list[in
     else:
         tie = NEAR_TIE[model.hf.dtype]
         assert d.margin < tie, f"divergence at new token {d.position} with margin {d.margin:.3e} (tie: < {tie})"
+
+
+# --- the server with tools (tests/test_tools.py, tests/test_responses.py) --------------------------------------
+
+TOOLS_TEMPLATE = Path(__file__).resolve().parent / "data" / "hermes_tools.jinja"  # (SmolLM2's own template
+# renders no tools: a Hermes-style one that does)
+
+
+def serve_smollm2_with_tools():
+    """`assistgen serve` on SmolLM2 (llama.cpp, prompt lookup) with TOOLS_TEMPLATE; yields its URL (a fixture's
+    body)."""
+    process, port = start_serve_command("--model", "smollm2-135m", "--backend", "llama.cpp", "--lookup",
+                                        "--chat-template", str(TOOLS_TEMPLATE))
+    yield f"http://127.0.0.1:{port}"
+    process.terminate()
+    process.wait(30)
+
+
+def openai_client(url: str, key: str):
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, timeout=120, max_retries=0)
+
+
+def assert_400(response, param: str, words: str) -> None:
+    """A 400 whose OpenAI error body names `param` and says `words`."""
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def fuzz_for_5xx(url: str, bodies, base: dict, examples: int) -> dict:
+    """POST `examples` bodies drawn from the hypothesis strategy `bodies` (over `base`) to `url`: each answer must be
+    a 200 or a 4xx with an error message. Returns how many were answered and how many refused."""
+    import httpx
+    from hypothesis import HealthCheck, given, settings
+
+    seen = {"ok": 0, "refused": 0}
+    with httpx.Client(timeout=120) as http:
+        @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(bodies)
+        def check(body):
+            response = http.post(url, json={**base, **body})
+            assert response.status_code < 500, (body, response.text)
+            if response.status_code == 200:
+                seen["ok"] += 1
+            else:
+                assert response.json()["error"]["message"], body
+                seen["refused"] += 1
+
+        check()
+    return seen

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from helpers import start_serve_command
-from hypothesis import HealthCheck, given, settings
+from helpers import assert_400, fuzz_for_5xx, openai_client, serve_smollm2_with_tools
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
@@ -23,7 +21,6 @@ from assistgen import load_model
 from assistgen.core.tools import HERMES
 from assistgen.serving.responses import Reply, ResponsesRequest
 
-TEMPLATE = Path(__file__).resolve().parent / "data" / "hermes_tools.jinja"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city.",
            "parameters": {"type": "object", "properties": {
                "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
@@ -126,15 +123,11 @@ def test_a_reply_cut_by_max_output_tokens_is_incomplete():
 
 @pytest.fixture(scope="module")
 def server():
-    process, port = start_serve_command("--model", NAME, "--backend", "llama.cpp", "--lookup",
-                                        "--chat-template", str(TEMPLATE))
-    yield f"http://127.0.0.1:{port}"
-    process.terminate()
-    process.wait(30)
+    yield from serve_smollm2_with_tools()
 
 
 def client(url: str, key: str = "responses") -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, timeout=120, max_retries=0)
+    return openai_client(url, key)
 
 
 @pytest.mark.integration
@@ -213,12 +206,6 @@ def test_text_format_json_schema_through_responses_parse(server):
     assert isinstance(parsed.output_parsed, Colour)
 
 
-def assert_400(response: httpx.Response, param: str, words: str) -> None:
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == param and words in error["message"], error
-
-
 @pytest.mark.integration
 def test_unsupported_and_malformed_fields_are_400s_naming_the_field(server):
     url = f"{server}/v1/responses"
@@ -279,18 +266,5 @@ RESPONSES_BODY = st.fixed_dictionaries(
 @pytest.mark.integration
 def test_fuzzed_input_tools_and_formats_never_get_a_5xx(server):
     """A bounded fuzz (127.0.0.1, 200 requests of 2 tokens at most): a 200 or a 4xx with OpenAI's error body."""
-    seen = {"ok": 0, "refused": 0}
-    with httpx.Client(timeout=120) as http:
-        @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-        @given(RESPONSES_BODY)
-        def check(body):
-            response = http.post(f"{server}/v1/responses", json={"model": NAME, "max_output_tokens": 2, **body})
-            assert response.status_code < 500, (body, response.text)
-            if response.status_code == 200:
-                seen["ok"] += 1
-            else:
-                assert response.json()["error"]["message"], body
-                seen["refused"] += 1
-
-        check()
+    seen = fuzz_for_5xx(f"{server}/v1/responses", RESPONSES_BODY, {"model": NAME, "max_output_tokens": 2}, 200)
     assert seen["ok"] > 5 and seen["refused"] > 5

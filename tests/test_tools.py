@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from helpers import start_serve_command
-from hypothesis import HealthCheck, given, settings
+from helpers import TOOLS_TEMPLATE, assert_400, fuzz_for_5xx, openai_client, serve_smollm2_with_tools
 from hypothesis import strategies as st
 
 from assistgen import Constant, generate, load_model
@@ -23,7 +21,6 @@ from assistgen.core.engine import Chunk
 from assistgen.core.tools import HERMES, Tool, call_structure, call_syntax, parse_calls
 from assistgen.serving.server import CallStream, Job, tool_message
 
-TEMPLATE = Path(__file__).resolve().parent / "data" / "hermes_tools.jinja"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
@@ -43,7 +40,7 @@ TEXT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city
 @pytest.fixture(scope="module")
 def smol():
     model = load_model("smollm2-135m", backend="llama.cpp")
-    return use_chat_template(model, str(TEMPLATE))
+    return use_chat_template(model, str(TOOLS_TEMPLATE))
 
 
 def steps_of(tokenizer, text: str, seed: int) -> list[Chunk]:
@@ -171,15 +168,11 @@ def test_calls_are_valid_for_their_schema_and_exact_with_speculation(smol, choic
 
 @pytest.fixture(scope="module")
 def server():
-    process, port = start_serve_command("--model", "smollm2-135m", "--backend", "llama.cpp", "--lookup",
-                                        "--chat-template", str(TEMPLATE))
-    yield f"http://127.0.0.1:{port}"
-    process.terminate()
-    process.wait(30)
+    yield from serve_smollm2_with_tools()
 
 
 def client(url: str, key: str = "agent") -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, timeout=120, max_retries=0)
+    return openai_client(url, key)
 
 
 @pytest.mark.integration
@@ -229,12 +222,6 @@ def test_a_tool_result_continues_the_conversation_from_the_kept_prefix(server):
     assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
     # (the generation prompt's last token, "\n", may merge with the call's first when the turn is rendered again)
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
-
-
-def assert_400(response: httpx.Response, param: str, words: str) -> None:
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == param and words in error["message"], error
 
 
 @pytest.mark.integration
@@ -312,19 +299,5 @@ BODY = st.fixed_dictionaries(
 def test_fuzzed_tools_tool_choice_and_messages_never_get_a_5xx(server):
     """A bounded fuzz (127.0.0.1, 300 requests of 2 tokens at most): every answer is a 200 or a 4xx with OpenAI's
     error body naming the problem."""
-    seen = {"ok": 0, "refused": 0}
-    with httpx.Client(timeout=120) as http:
-        @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-        @given(BODY)
-        def check(body):
-            response = http.post(f"{server}/v1/chat/completions", json={"model": "smollm2-135m", "max_tokens": 2,
-                                                                      **body})
-            assert response.status_code < 500, (body, response.text)
-            if response.status_code == 200:
-                seen["ok"] += 1
-            else:
-                assert response.json()["error"]["message"], body
-                seen["refused"] += 1
-
-        check()
+    seen = fuzz_for_5xx(f"{server}/v1/chat/completions", BODY, {"model": "smollm2-135m", "max_tokens": 2}, 300)
     assert seen["ok"] > 5 and seen["refused"] > 5  # (the fuzz reached the engine and the checks both)
