@@ -215,6 +215,7 @@ class CallParser:
         self.state = "text"  # text | head (a call opened, its name not read yet) | arguments | tail (the form's end)
         self.calls = 0
         self.scan = ObjectScan()  # where the arguments of the call being read end
+        self.ended_in_call = False
 
     def feed(self, text: str) -> list:
         self.buffer += text
@@ -224,6 +225,15 @@ class CallParser:
             events += getattr(self, f"_{self.state}")()
             if (self.state, len(self.buffer)) == before:
                 return events
+
+    def read(self, text: str, last: bool = False) -> list:
+        """`feed(text)`, and `finish()` after the generation's last piece (`ended_in_call` then says whether the text
+        ended inside a call: a stop string or the token limit cut it)."""
+        events = self.feed(text)
+        if last:
+            self.ended_in_call = self.in_call
+            events += self.finish()
+        return events
 
     @property
     def in_call(self) -> bool:
@@ -325,5 +335,6 @@ def parse_calls(syntax: CallSyntax, pieces: list[str] | str) -> ParsedCalls:
     parsed = ParsedCalls()
     for piece in [pieces] if isinstance(pieces, str) else pieces:
         parsed.add(parser.feed(piece))
-    parsed.unfinished = parser.in_call
-    return parsed.add(parser.finish())
+    parsed.add(parser.read("", last=True))
+    parsed.unfinished = parser.ended_in_call
+    return parsed

@@ -224,10 +224,8 @@ class Reply:
     def read(self, text: str, finish_reason: str | None = None, usage: dict | None = None,
              metrics: dict | None = None, error: str | None = None) -> list[dict]:
         """The events for one more piece of generated text; `finish_reason` (the engine's) ends the reply."""
-        pieces = [Content(text)] if self.parser is None else self.parser.feed(text)
-        unfinished = self.parser is not None and self.parser.in_call
-        if finish_reason is not None and self.parser is not None:
-            pieces += self.parser.finish()
+        last = finish_reason is not None
+        pieces = [Content(text)] if self.parser is None else self.parser.read(text, last)
         events = [e for piece in pieces for e in self.add(piece)]
         if finish_reason is None:
             return events
@@ -238,7 +236,8 @@ class Reply:
         self.metrics = metrics
         kind = {"completed": "response.completed", "failed": "response.failed"}.get(self.status,
                                                                                    "response.incomplete")
-        return events + self.close(cut=unfinished) + [self.event(kind, response=self.response())]
+        cut = self.parser is not None and self.parser.ended_in_call
+        return events + self.close(cut=cut) + [self.event(kind, response=self.response())]
 
     def add(self, piece) -> list[dict]:
         if isinstance(piece, Content):

@@ -432,21 +432,17 @@ class CallStream:
     fragments of its arguments, however many tokens a step accepted; the last delta carries the finish reason."""
 
     def __init__(self, job: Job):
-        self.job = job
         self.parser = CallParser(job.calls)
         self.called = False
         self.first: dict | None = None  # the first delta of the chunk being read (it carries the chunk's logprobs)
 
     def read(self, chunk: Chunk) -> list[tuple[dict, str | None]]:
         """(delta, finish reason) pairs for one chunk."""
-        events = self.parser.feed(chunk.text)
-        unfinished = self.parser.in_call
-        if chunk.finish_reason is not None:
-            events += self.parser.finish()
+        events = self.parser.read(chunk.text, last=chunk.finish_reason is not None)
         out = [(self.delta(e), None) for e in events]
         if chunk.finish_reason is not None:
             finish = FINISH_REASONS.get(chunk.finish_reason)
-            out.append(({}, chat_finish(finish, self.called, unfinished)))
+            out.append(({}, chat_finish(finish, self.called, self.parser.ended_in_call)))
         elif not out and chunk.logprobs:
             out = [({"content": ""}, None)]
         self.first = out[0][0] if out else None
