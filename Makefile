@@ -26,8 +26,8 @@ install: $(STAMP)
 # library and the multimodal one): under 3 minutes on 2 cores instead of 7.5. patches/llama.cpp-assistgen.patch
 # adds a switch between ggml's fastest CPU kernels and its reference ones, on which a row's result does not
 # depend on the other rows of its pass (docs/benchmarks.md): the backend verifies on the reference kernels and
-# runs prompts on the fast ones (`LlamaModel.row_exact`); q4_K's 4-row AVX2 kernel made to sum each row as its
-# one-row kernel does, so that it stays on under the switch; and a KV slot search that keeps each sequence's
+# runs prompts on the fast ones (`LlamaModel.row_exact`); q4_K's repacked AVX2 and AVX-512 kernels made to sum each
+# row as its one-row kernel does, so that they stay on under the switch; and a KV slot search that keeps each sequence's
 # cells in position order, so that a request's logits do not depend on the others in the pool.
 LLAMA_CPP_PY := 0.3.36
 LLAMA_BUILD := build/llama.cpp-$(LLAMA_CPP_PY)
