@@ -7,6 +7,7 @@ from here, never from each other or conftest."""
 from __future__ import annotations
 
 import string
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -228,3 +229,67 @@ def fuzz_for_5xx(url: str, bodies, base: dict, examples: int) -> dict:
 
         check()
     return seen
+
+
+@dataclass
+class Live:
+    url: str
+    app: object
+    engine: object  # the BatchEngine
+    server: object  # the uvicorn.Server
+    thread: object  # the thread it runs in
+
+    @property
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="test", timeout=60, max_retries=0)
+
+
+def start(model, engine_settings=None, name: str = "smollm2-135m", **server_settings) -> Live:
+    """The real app over `model` (prompt lookup) in uvicorn on a free 127.0.0.1 port, in a thread, once it answers
+    /health."""
+    import socket
+    import threading
+    import time
+    from functools import partial
+
+    import httpx
+    import uvicorn
+
+    from assistgen.api import default_schedule, make_drafter
+    from assistgen.serving.batching import BatchEngine
+    from assistgen.serving.server import ServerSettings, create_app
+
+    engine = BatchEngine(model, partial(make_drafter, model, lookup=True), default_schedule(), engine_settings)
+    app = create_app(engine, ServerSettings(model_name=name, **server_settings))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # a free port, bound before uvicorn starts: no race for it
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    live = Live(f"http://127.0.0.1:{port}", app, engine, server, thread)
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    assert httpx.get(f"{live.url}/health", timeout=5).json()["status"] == "ok"
+    return live
+
+
+def stop(live: Live) -> None:
+    live.server.should_exit = True
+    live.thread.join(30)
+    assert not live.thread.is_alive()
+    assert live.engine.thread is None or not live.engine.thread.is_alive()  # the lifespan shut the engine down
+
+
+def scrape(live: Live) -> dict[str, float]:
+    """The /metrics samples by name (labels appended in brackets)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{live.url}/metrics", timeout=5).text
+    return {s.name + "".join(f"[{v}]" for v in s.labels.values()): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}

@@ -4,70 +4,25 @@ with the official `openai` client and httpx; no mocks."""
 from __future__ import annotations
 
 import signal
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from functools import partial
 
 import httpx
 import openai
 import pytest
 import schemathesis
 import torch
-import uvicorn
-from helpers import start_serve_command
+from helpers import scrape, start, start_serve_command, stop
 from hypothesis import HealthCheck, given, settings
 from prometheus_client.parser import text_string_to_metric_families
 
 from assistgen import generate
-from assistgen.api import default_schedule, make_drafter
-from assistgen.serving.batching import BatchEngine, EngineSettings
-from assistgen.serving.server import ServerSettings, create_app
+from assistgen.serving.batching import EngineSettings
 
 pytestmark = pytest.mark.integration
 
 NAME = "smollm2-135m"
 REPEATING = "the cat sat on the mat. the cat sat on the mat. the cat sat on the"
-
-
-@dataclass
-class Live:
-    url: str
-    app: object
-    engine: BatchEngine
-    server: uvicorn.Server
-    thread: threading.Thread
-
-    @property
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="test", timeout=60, max_retries=0)
-
-
-def start(model, engine_settings: EngineSettings | None = None, **server_settings) -> Live:
-    engine = BatchEngine(model, partial(make_drafter, model, lookup=True), default_schedule(), engine_settings)
-    app = create_app(engine, ServerSettings(model_name=NAME, **server_settings))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))  # a free port, bound before uvicorn starts: no race for it
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    live = Live(f"http://127.0.0.1:{port}", app, engine, server, thread)
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    assert httpx.get(f"{live.url}/health", timeout=5).json()["status"] == "ok"
-    return live
-
-
-def stop(live: Live) -> None:
-    live.server.should_exit = True
-    live.thread.join(30)
-    assert not live.thread.is_alive()
-    assert live.engine.thread is None or not live.engine.thread.is_alive()  # the lifespan shut the engine down
 
 
 @pytest.fixture(scope="module")
@@ -83,12 +38,6 @@ def small(smollm2, one_thread):
     server = start(smollm2, EngineSettings(max_batch=1, max_queue=1), max_tokens_limit=4)
     yield server
     stop(server)
-
-
-def scrape(live: Live) -> dict[str, float]:
-    text = httpx.get(f"{live.url}/metrics", timeout=5).text
-    return {s.name + "".join(f"[{v}]" for v in s.labels.values()): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def stream_text(client: openai.OpenAI, prompt: str, max_tokens: int) -> tuple[str, str]:
@@ -175,6 +124,7 @@ def test_metrics_count_what_the_responses_report(live):
     assert delta("assistgen:e2e_request_latency_seconds_count") == 2
     assert delta("assistgen:time_to_first_token_seconds_count") == 2
     assert after["assistgen:num_requests_running"] == 0
+    assert after["assistgen:exact"] == 1 and all(s["exact"] for s in spec)  # torch: a row's logits are its own
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole-reply"])
@@ -586,7 +536,6 @@ def test_the_command_serves_and_exits_0_on_sigterm(tmp_path):
 
 def test_replica_metrics_merge_by_adding_up_and_dropping_stale_gauges():
     """What `serve --replicas` serves at /metrics (serving/ray.py): the replicas' registries added up."""
-    from prometheus_client.parser import text_string_to_metric_families
 
     from assistgen.serving.ray import STALE_S, merged_metrics, route_key
 

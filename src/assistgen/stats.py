@@ -28,12 +28,13 @@ class Stats:
     verify_s: float = 0.0
     total_s: float = 0.0
     finish_reason: str = ""
+    exact: bool = True  # the target's `capabilities.exact`: False, greedy output may differ from plain decoding
     notes: dict = field(default_factory=dict)  # drafter-specific figures (universal mode: vocab intersection)
 
     @staticmethod
     def combined(parts: list[Stats]) -> Stats:
         """The counters of several generations added up (histograms position by position)."""
-        out = Stats(mode=parts[0].mode if parts else "plain")
+        out = Stats(mode=parts[0].mode if parts else "plain", exact=all(part.exact for part in parts))
         for part in parts:
             for name in ("prompt_tokens", "cached_tokens", "new_tokens", "steps", "draft_steps",
                          "target_forward_passes", "draft_forward_passes", "drafted_tokens", "accepted_tokens",
@@ -92,4 +93,7 @@ class Stats:
             f"other {self.other_s:.2f} s",
         ]
         lines += [f"{key.replace('_', ' ')}: {value}" for key, value in self.notes.items()]
+        if not self.exact:
+            lines.append("exact: no (this model's passes are not row-exact: greedy output may differ from plain "
+                         "decoding)")
         return "\n".join(lines)

@@ -29,7 +29,9 @@ backend never reads it.
 
 Capabilities a backend may lack are declared in `capabilities`, never discovered by `hasattr`:
 `first_layers` (it can run its first N decoder layers as a model of its own, sharing the weights:
-`truncated(n)`, `exit_agreement(ids, positions)` and `layer_costs()`, which early exit needs). Layers
+`truncated(n)`, `exit_agreement(ids, positions)` and `layer_costs()`, which early exit needs) and `exact`
+(a row's logits are those it gets alone, so assisted greedy output is plain decoding's; `inexact_reason` says
+why not). Layers
 above this module see a model only through this interface; the PyTorch code lives below it
 (`backends/torch/`).
 """
@@ -47,6 +49,9 @@ MAX_K = 16  # the most draft tokens one verification step feeds (1 + MAX_K rows)
 @dataclass(frozen=True)
 class Capabilities:
     first_layers: bool = False  # truncated(n), exit_agreement, layer_costs: the target's own first layers draft
+    exact: bool = True  # a row's logits do not depend on what else its pass computes, so greedy verification keeps
+    # plain decoding's tokens; False (a stock llama.cpp build): drafted output may drift from plain decoding
+    inexact_reason: str = ""  # with exact False: why, and the fix
 
 
 class Cache(Protocol):

@@ -8,6 +8,7 @@ line, exit status 2.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from assistgen.api import stream, use_chat_template
@@ -74,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet-stats", action="store_true", help="do not print statistics")
 
     sub.add_parser("models", help="list the embedded model aliases and whether each is converted")
+    info = sub.add_parser("info", help="versions, backends (is the llama.cpp build row-exact?), CPU and the cache")
+    info.add_argument("--json", action="store_true", help="print it as one JSON object")
 
     cal = sub.add_parser("calibrate", help="show (or measure again) a model's verification costs and linear routes")
     cal.add_argument("--model", "-m", default="smollm2-135m", help="alias, hub id, local folder or .gguf file")
@@ -300,6 +303,12 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "models":
             return cmd_models(args)
+        if args.command == "info":
+            from assistgen.cli.info import collect, report
+
+            info = collect()
+            print(json.dumps(info, indent=2) if args.json else report(info))
+            return 0
         if args.command == "calibrate":
             return cmd_calibrate(args)
         if args.command == "bench":

@@ -130,7 +130,8 @@ def begin(target: LanguageModel, prompt_ids: list[int], drafter: Drafter, schedu
     return GenerationState(target, list(prompt_ids), drafter, drafters, run, config, Sampler(config),
                            TextStream(target.tokenizer, config.stop),
                            Stats(mode=drafter.name, prompt_tokens=len(prompt_ids),
-                                 cached_tokens=len(cache) if cache is not None else 0), eos, context,
+                                 cached_tokens=len(cache) if cache is not None else 0,
+                                 exact=target.capabilities.exact), eos, context,
                            cache if cache is not None else target.new_cache(), started, constraint=constraint)
 
 

@@ -12,6 +12,8 @@ server as chunks arrive (`step`) and requests end (`finished`). `spec_decode_met
   acceptance_histogram      = stats.accept_histogram ([i]: steps, drafting or not, that accepted i)
   mean_acceptance_length    = stats.mean_accepted_length (tokens per verification step)
   draft_acceptance_rate     = stats.acceptance_rate (accepted / drafted)
+  exact                     = stats.exact (False: the model's passes are not row-exact, output may drift)
+`assistgen:exact` is 1 when the engine's target is exact (`Capabilities.exact`), 0 on a stock llama.cpp build.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ class EngineGauges:
                                 value=self.engine.num_running)
         yield GaugeMetricFamily("assistgen:num_requests_waiting", "Requests waiting to join.",
                                 value=self.engine.num_waiting)
+        yield GaugeMetricFamily("assistgen:exact", "1 when the model's passes are row-exact (greedy output is plain "
+                                "decoding's), 0 on a stock llama.cpp build.",
+                                value=int(self.engine.target.capabilities.exact))
         prefix = self.engine.prefix
         if prefix is not None:  # (read without the engine's lock: counters only grow, a scrape may be a step behind)
             yield CounterMetricFamily("assistgen:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -118,4 +123,5 @@ def spec_decode_metrics(stats: Stats | None) -> dict:
         "acceptance_histogram": list(stats.accept_histogram),
         "mean_acceptance_length": stats.mean_accepted_length,
         "draft_acceptance_rate": stats.acceptance_rate,
+        "exact": stats.exact,
     }}

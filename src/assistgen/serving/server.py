@@ -607,7 +607,12 @@ async def model(model_id: str, http: HTTPRequest):
 
 
 async def health(http: HTTPRequest):
-    return {"status": "shutting down" if state_of(http).closing else "ok"}
+    state = state_of(http)
+    capabilities = state.engine.target.capabilities
+    body = {"status": "shutting down" if state.closing else "ok", "exact": capabilities.exact}
+    if not capabilities.exact:
+        body["inexact_reason"] = capabilities.inexact_reason
+    return body
 
 
 async def prometheus(http: HTTPRequest):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from assistgen.backends.budget import check_model_budget, parse_budget, resident
 from assistgen.backends.embedded import EMBEDDED, ModelLoadError, say
-from assistgen.backends.llamacpp.model import DEFAULT_CONTEXT, LlamaModel, LlamaSettings, cell_bytes
+from assistgen.backends.llamacpp.model import DEFAULT_CONTEXT, LlamaModel, LlamaSettings, cell_bytes, kernel_switch
 from assistgen.config import DEFAULT_PREFIX_CACHE
 from assistgen.paths import cache_root, replaced_atomically, safe_name
 
@@ -258,3 +258,15 @@ def check_tokenizer(model: LlamaModel, text: str = CHECK_TEXT) -> None:
             f"The tokenizer transformers builds from {model.path.name} differs from llama.cpp's own on a test text "
             f"(first at token {at}: {ours[at:at + 3]} vs {theirs[at:at + 3]}), so text and ids would not match "
             "what llama.cpp computes: load it with backend='torch' (--backend torch).")
+
+
+def library_report() -> dict:
+    """What `assistgen info` says of the llama.cpp libraries: where they are, whether they have the row-exact switch
+    (`make llamacpp`'s build) and what ggml found of the CPU. {"available": False} without llama-cpp-python."""
+    if not available():
+        return {"available": False, "install": INSTALL}
+    lib = library()
+    _capture_log(lib)
+    return {"available": True, "library": str(Path(lib._lib._name).resolve().parent),
+            "row_exact": kernel_switch(lib) is not None,
+            "system_info": lib.llama_print_system_info().decode(errors="replace").strip()}

@@ -19,7 +19,7 @@ context, more live sequences than the context was built for, or a pool of KV cel
 `LlamaCapacityError` (a ValueError) naming the setting that raises the bound; nothing is fed then. Calls
 into llama.cpp are serialized by one process-wide lock. The tokenizer is a
 Hugging Face tokenizer built from the same GGUF (`loading.py` checks it against llama.cpp's own).
-It declares no capabilities: llama.cpp cannot run the first N layers as a model of their own.
+It cannot run its first N layers as a model of their own (no `first_layers`); it is `exact` when row-exact (above).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import hashlib
 import platform
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,7 +94,6 @@ class LlamaModel:
         self.settings = settings
         self.cache_key = cache_key
         self.costs: Any = None
-        self.capabilities = Capabilities()
         self._model = model_ptr
         self._ctx = context_ptr
         self._memory = lib.llama_get_memory(context_ptr)
@@ -108,6 +108,9 @@ class LlamaModel:
         self._free_seqs = list(range(settings.sequences - 1, -1, -1))
         self._lock = _LOCK
         self._switch = kernel_switch(lib)
+        self.capabilities = Capabilities(exact=self.row_exact, inexact_reason=inexact_reason(self._switch, settings))
+        if not self.row_exact:
+            warn_inexact(self.capabilities.inexact_reason)
         self._batch = _Batch(lib, self._n_batch)
         self._closer = weakref.finalize(self, _free, lib, model_ptr, context_ptr, self._batch)
 
@@ -377,6 +380,29 @@ def library_identity(path: Path) -> str:
             stat = lib.stat()
             parts.append(f"{lib.name}:{stat.st_size}:{int(stat.st_mtime)}")
     return f"{path.resolve()}|{','.join(parts)}"
+
+
+def inexact_reason(switch, settings: LlamaSettings) -> str:
+    """Why a model on this library and settings is not row-exact, with the fix ("" when it is)."""
+    if switch is None:
+        return ("this llama.cpp library has no row-exact kernel switch (a stock llama-cpp-python build): passes run on "
+                "ggml's fast kernels, whose rounding depends on the rows beside a token, so assisted greedy output can "
+                "differ from plain decoding; install the patched libraries (`make llamacpp`, which applies "
+                "patches/llama.cpp-assistgen.patch)")
+    if not settings.flash_attention:
+        return ("flash attention is off: a row's attention depends on where its sequence's cells lie in the shared "
+                "pool, so assisted greedy output can differ from plain decoding; leave flash_attention on")
+    return ""
+
+
+_WARNED: set[str] = set()
+
+
+def warn_inexact(reason: str) -> None:
+    """Say once per process and reason that greedy output is not guaranteed to be plain decoding's."""
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"assistgen: greedy output is not exact on this model: {reason}.", RuntimeWarning, stacklevel=3)
 
 
 def kernel_switch(lib):

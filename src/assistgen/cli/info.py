@@ -1,0 +1,123 @@
+"""`assistgen info`: what this installation is and has, for a bug report or a first look.
+
+Contract: `collect()` returns one JSON-ready dict (versions, backends, CPU, cache); `report(info)` is its text.
+Nothing is loaded but the llama.cpp libraries (to ask them whether they are row-exact) and nothing is written.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import sys
+from pathlib import Path
+
+from assistgen.backends.machine import cpu_name
+from assistgen.paths import cache_root
+
+PACKAGES = ("assistgen", "torch", "transformers", "llama_cpp_python", "xgrammar", "fastapi", "uvicorn", "openai",
+            "prometheus_client", "accelerate", "ray")
+SHOWN = 6  # the largest entries of a cache folder the text names (--json lists all)
+CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "neon")
+
+
+def version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cpu_flags() -> list[str]:
+    """The features in CPU_FLAGS this processor reports (/proc/cpuinfo's flags; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    have = set(line.split(":", 1)[1].split())
+                    return [flag for flag in CPU_FLAGS if flag in have]
+    except OSError:
+        pass
+    return []
+
+
+def size_of(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def cache_contents(root: Path) -> list[dict]:
+    """[{"kind", "path", "bytes", "entries": [{"name", "bytes"}]}] for each folder under the cache root."""
+    if not root.is_dir():
+        return []
+    out = []
+    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+        entries = [{"name": e.name, "bytes": size_of(e)} for e in sorted(folder.iterdir())]
+        out.append({"kind": folder.name, "path": str(folder), "bytes": sum(e["bytes"] for e in entries),
+                    "entries": entries})
+    return out
+
+
+def collect() -> dict:
+    import torch
+
+    from assistgen.backends.llamacpp.loading import library_report
+
+    root = cache_root()
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "python": sys.version.split()[0], "platform": platform.platform(),
+        "packages": {name: version(name) for name in PACKAGES},
+        "backends": {
+            "torch": {"available": True, "cuda": torch.cuda.is_available(), "threads": torch.get_num_threads()},
+            "llama.cpp": library_report(),
+        },
+        "cpu": {"name": cpu_name(), "machine": platform.machine(), "cores": os.cpu_count(), "usable": threads,
+                "flags": cpu_flags()},
+        "cache": {"root": str(root), "bytes": sum(size_of(p) for p in root.iterdir()) if root.is_dir() else 0,
+                  "folders": cache_contents(root)},
+    }
+
+
+def megabytes(n: int) -> str:
+    """A size in the largest unit under which it is at least 1 (B, KiB, MiB, GiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
+
+
+def report(info: dict) -> str:
+    lines = [f"assistgen {info['packages']['assistgen']} on Python {info['python']} ({info['platform']})", "",
+             "packages:"]
+    lines += [f"  {name:<18} {v or 'not installed'}" for name, v in info["packages"].items() if name != "assistgen"]
+    torch_, llama = info["backends"]["torch"], info["backends"]["llama.cpp"]
+    lines += ["", "backends:",
+              f"  torch              yes ({'CUDA available' if torch_['cuda'] else 'CPU'}, "
+              f"{torch_['threads']} threads)"]
+    if not llama["available"]:
+        lines.append(f"  llama.cpp          no: {llama['install']}")
+    else:
+        exact = ("row-exact (patched: greedy output is plain decoding's)" if llama["row_exact"] else
+                 "STOCK build, not row-exact: assisted greedy output may differ from plain decoding; "
+                 "`make llamacpp` builds the patched libraries")
+        lines += [f"  llama.cpp          yes, {exact}", f"                     libraries: {llama['library']}",
+                  f"                     ggml: {llama['system_info']}"]
+    cpu = info["cpu"]
+    lines += ["", f"cpu: {cpu['name']} ({cpu['machine']}), {cpu['usable']} of {cpu['cores']} cores usable",
+              f"  features: {' '.join(cpu['flags']) or 'none reported'}"]
+    cache = info["cache"]
+    lines += ["", f"cache: {cache['root']} ({megabytes(cache['bytes'])}; ASSISTGEN_CACHE moves it)"]
+    for folder in cache["folders"]:
+        lines.append(f"  {folder['kind']:<12} {megabytes(folder['bytes']):>14}  {len(folder['entries'])} entries")
+        largest = sorted(folder["entries"], key=lambda e: -e["bytes"])
+        lines += [f"    {e['name'][:56]:<56} {megabytes(e['bytes']):>14}" for e in largest[:SHOWN]]
+        if len(largest) > SHOWN:
+            rest = largest[SHOWN:]
+            lines.append(f"    ... and {len(rest)} more ({megabytes(sum(e['bytes'] for e in rest))})")
+    if not cache["folders"]:
+        lines.append("  (empty)")
+    lines.append(f"  to clear it: rm -rf {cache['root']} (or one folder of it: everything there is derived and "
+                 "is made again on next use)")
+    return "\n".join(lines)
