@@ -65,6 +65,8 @@ def collect() -> dict:
     from assistgen.backends.llamacpp.loading import library_report
 
     root = cache_root()
+    folders = cache_contents(root)
+    loose = sum(p.stat().st_size for p in root.iterdir() if p.is_file()) if root.is_dir() else 0
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
         "python": sys.version.split()[0], "platform": platform.platform(),
@@ -75,12 +77,11 @@ def collect() -> dict:
         },
         "cpu": {"name": cpu_name(), "machine": platform.machine(), "cores": os.cpu_count(), "usable": threads,
                 "flags": cpu_flags()},
-        "cache": {"root": str(root), "bytes": sum(size_of(p) for p in root.iterdir()) if root.is_dir() else 0,
-                  "folders": cache_contents(root)},
+        "cache": {"root": str(root), "bytes": loose + sum(f["bytes"] for f in folders), "folders": folders},
     }
 
 
-def megabytes(n: int) -> str:
+def human_size(n: int) -> str:
     """A size in the largest unit under which it is at least 1 (B, KiB, MiB, GiB)."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
@@ -108,14 +109,14 @@ def report(info: dict) -> str:
     lines += ["", f"cpu: {cpu['name']} ({cpu['machine']}), {cpu['usable']} of {cpu['cores']} cores usable",
               f"  features: {' '.join(cpu['flags']) or 'none reported'}"]
     cache = info["cache"]
-    lines += ["", f"cache: {cache['root']} ({megabytes(cache['bytes'])}; ASSISTGEN_CACHE moves it)"]
+    lines += ["", f"cache: {cache['root']} ({human_size(cache['bytes'])}; ASSISTGEN_CACHE moves it)"]
     for folder in cache["folders"]:
-        lines.append(f"  {folder['kind']:<12} {megabytes(folder['bytes']):>14}  {len(folder['entries'])} entries")
+        lines.append(f"  {folder['kind']:<12} {human_size(folder['bytes']):>14}  {len(folder['entries'])} entries")
         largest = sorted(folder["entries"], key=lambda e: -e["bytes"])
-        lines += [f"    {e['name'][:56]:<56} {megabytes(e['bytes']):>14}" for e in largest[:SHOWN]]
+        lines += [f"    {e['name'][:56]:<56} {human_size(e['bytes']):>14}" for e in largest[:SHOWN]]
         if len(largest) > SHOWN:
             rest = largest[SHOWN:]
-            lines.append(f"    ... and {len(rest)} more ({megabytes(sum(e['bytes'] for e in rest))})")
+            lines.append(f"    ... and {len(rest)} more ({human_size(sum(e['bytes'] for e in rest))})")
     if not cache["folders"]:
         lines.append("  (empty)")
     lines.append(f"  to clear it: rm -rf {cache['root']} (or one folder of it: everything there is derived and "

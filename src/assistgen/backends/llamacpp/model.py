@@ -108,9 +108,10 @@ class LlamaModel:
         self._free_seqs = list(range(settings.sequences - 1, -1, -1))
         self._lock = _LOCK
         self._switch = kernel_switch(lib)
-        self.capabilities = Capabilities(exact=self.row_exact, inexact_reason=inexact_reason(self._switch, settings))
-        if not self.row_exact:
-            warn_inexact(self.capabilities.inexact_reason)
+        reason = inexact_reason(self._switch, settings)  # "" exactly when row_exact
+        self.capabilities = Capabilities(exact=not reason, inexact_reason=reason)
+        if reason:
+            warn_inexact(reason)
         self._batch = _Batch(lib, self._n_batch)
         self._closer = weakref.finalize(self, _free, lib, model_ptr, context_ptr, self._batch)
 
