@@ -116,6 +116,11 @@ def main():
         words = (vocab + 31) // 32
         same = sum(np.array_equal(a[i, :words], b[i, :words]) for i in range(len(tokens)))
         print(f"rows whose allowed sets agree: {same} of {len(tokens)}")
+        bits = lambda m: np.unpackbits(m.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
+        x, y = bits(a), bits(b)  # [rows, vocab] allowed
+        print(f"allowed by xgrammar only: {int((x & ~y).sum())} token-rows; by llguidance only: {int((y & ~x).sum())}")
+        special = sorted(set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {})))
+        print(f"  of xgrammar's extra, special or added tokens: {int((x & ~y)[:, special].sum())}")
 
 
 if __name__ == "__main__":
