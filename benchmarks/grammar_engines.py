@@ -111,7 +111,9 @@ def main():
         print(f"| {name} | {setup:.2f} | {compile_s * 1e3:.2f} | {per_token * 1e6:.0f} |")
     if len(rows) == 2:
         a, b = rows["xgrammar"][3][:len(tokens)], rows["llguidance"][3][:len(tokens)]
-        bits = lambda m: np.unpackbits(m.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
+        def bits(m):
+            return np.unpackbits(m.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
+
         x, y = bits(a), bits(b)  # [rows, vocab] allowed
         print(f"rows whose allowed sets agree: {int((x == y).all(axis=1).sum())} of {len(tokens)}")
         print(f"allowed by xgrammar only: {int((x & ~y).sum())} token-rows; by llguidance only: {int((y & ~x).sum())}")

@@ -202,3 +202,47 @@ def test_prefill_budget_is_shared_earliest_first_in_aligned_chunks(one_thread):
     chunks = step(seqs, need[1] - PROMPT_ALIGN)  # the first decodes, the second finishes its prompt, the third waits
     assert chunks[0] is not None and chunks[1:] == [None, None]
     assert [len(s.cache) for s in seqs][1:] == [need[1], 0]
+
+
+def test_a_server_starts_on_provisional_costs_and_measures_them_while_idle(tmp_path, monkeypatch, one_thread):
+    """`calibrate(later=True)` with nothing on disk: a provisional curve now, the full measurement run by the
+    engine between requests (a request that arrives drops the stage half done) and saved; the next start reads it."""
+    import json
+    import time
+
+    from assistgen.policy.costs import MAX_K, calibrate, costs_state, pending
+
+    monkeypatch.setenv("ASSISTGEN_CACHE", str(tmp_path))
+    model = tiny_llama()
+    model.cache_key = "tiny-later"
+    provisional = calibrate(model, later=True)
+    assert provisional.record["provisional"] and costs_state(model) == "measuring"
+    assert [c.model for c in pending()] == [model] and not list(tmp_path.glob("costs/*.json"))
+    assert len(provisional.curve) == MAX_K + 1 and provisional.curve[0] == 1.0
+    steps = [b - a for a, b in zip(provisional.curve, provisional.curve[1:], strict=False)]
+    assert max(steps) - min(steps) < 1e-9  # the chord between t(1) and t(MAX_K + 1)
+    calibration = pending()[0]
+    for _ in range(3):
+        assert calibration.advance()
+    calibration.interrupt()  # a request came: the first stage is dropped, to be timed from its start
+    assert calibration.current is None and calibration.results == [] and pending() == [calibration]
+
+    engine = BatchEngine(model, PromptLookupDrafter, Adaptive(), EngineSettings(max_batch=2)).start()
+    config = GenerationConfig(max_new_tokens=12, eos_token_ids=())
+    request = engine.submit(encode(TEXTS[0]), config)  # (served while the measurement waits or is dropped)
+    assert [t for c in request for t in c.tokens] == [
+        t for c in stream(model, encode(TEXTS[0]), PromptLookupDrafter(), Adaptive(), config) for t in c.tokens]
+    deadline = time.monotonic() + 120
+    while pending() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pending() and costs_state(model) == "measured"
+    files = list(tmp_path.glob("costs/*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text()) == model.costs.record
+    assert model.costs.record["verification_costs"][0] == 1.0 and len(model.costs.curve) == MAX_K + 1
+    late = engine.submit(encode(TEXTS[1]), config)  # the engine still serves after measuring
+    assert [c.finish_reason for c in late][-1] == "length"
+    engine.shutdown(timeout=30)
+
+    again = tiny_llama()
+    again.cache_key = "tiny-later"
+    assert calibrate(again, later=True).record == model.costs.record and not pending()

@@ -50,26 +50,30 @@ class Generation:
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., when asked for (`prompt_logprobs=n`)
 
 
-def load_model(spec: str, fast_linear: bool | str = "auto", backend: str = "auto", **loading):
+def load_model(spec: str, fast_linear: bool | str = "auto", backend: str = "auto", calibration: str = "now",
+               **loading):
     """Load `spec` (an embedded alias, a `.gguf` file, a local model folder or a hub id) on `backend` ("auto":
     llama.cpp for a GGUF file on the CPU when it is installed, else torch: `backends.loader`), with that
     backend's options (torch: `dtype`, `device`, `quantize`; llama.cpp: `context`, `sequences`, `threads`, ...;
     both: `max_memory`, offloaded weights; their defaults are the backend's), then `prepare` it unless
-    `fast_linear` is False."""
+    `fast_linear` is False (`calibration`: as `prepare` takes it)."""
     model = load(spec, backend, **loading)
     if fast_linear:
-        prepare(model, fast_linear)
+        prepare(model, fast_linear, calibration=calibration)
     return model
 
 
-def prepare(model, fast_linear: bool | str = "auto", refresh: bool = False):
+def prepare(model, fast_linear: bool | str = "auto", refresh: bool = False, calibration: str = "now"):
     """The explicit step after loading: the backend's optimization transforms (attention variant, and on the CPU
     the small-row linear routes, only where they measure faster with "auto"; none with False), then the policy's
-    cost curve,
-    measured once per machine (cached on disk) so that no request pays for it. Returns the model."""
+    cost curve, measured once per machine (cached on disk) so that no request pays for it: "now", or "later"
+    (a server's: a provisional conservative curve from a few passes, the full measurement while it is idle,
+    `policy.costs.pending`). Returns the model."""
+    if calibration not in ("now", "later"):
+        raise ConfigError(f'calibration must be "now" or "later", got {calibration!r}.')
     if fast_linear:
         model.optimize(mode="auto" if fast_linear == "auto" else "on", refresh=refresh)
-    calibrate(model, refresh=refresh)
+    calibrate(model, refresh=refresh, later=calibration == "later")
     return model
 
 

@@ -36,18 +36,30 @@ def remembered(path: Path | None, measure: Callable[[], dict], required: tuple[s
                refresh: bool = False) -> dict:
     """The JSON record at `path` when it holds every `required` key (and not `refresh`), else `measure()`,
     saved there (path None: measured, not saved)."""
-    if path is not None and path.exists() and not refresh:
+    record = None if refresh else recalled(path, required)
+    if record is None:
+        record = measure()
+        remember(path, record)
+    return record
+
+
+def recalled(path: Path | None, required: tuple[str, ...] = ()) -> dict | None:
+    """The JSON record at `path` when it holds every `required` key, else None."""
+    if path is not None and path.exists():
         try:
             record = json.loads(path.read_text())
             if all(k in record for k in required):
                 return record
         except (OSError, ValueError):
             pass
-    record = measure()
+    return None
+
+
+def remember(path: Path | None, record: dict) -> None:
+    """Save a record as JSON at `path` (None: nowhere)."""
     if path is not None:
         with replaced_atomically(path) as tmp:
             tmp.write_text(json.dumps(record))
-    return record
 
 
 @contextmanager

@@ -3,21 +3,32 @@
 Contract: `step_times(model)` returns the seconds of one forward pass over n = 1..max_k+1 new tokens (or
 each n of `rows`) after a short random context, the best of a few rounds taken round-robin
 (`best_of_rounds`: a burst of noise then spoils one round of each row count, not every round of one);
-`random_context` makes the random ids. It uses only `backends.base` verbs (`new_cache`, `feed`, `crop`,
-`clock`), so it times any backend; it knows nothing about policies or routes.
+`random_context` makes the random ids. `step_time_pieces` and `rounds` are the same measurements as generators
+that yield after each timed pass (their return value the result: `finish` runs one to its end), for a caller that
+measures between other work and may drop a measurement half done (closing it frees its caches). It uses only
+`backends.base` verbs (`new_cache`, `feed`, `crop`, `clock`), so it times any backend; it knows nothing about
+policies or routes.
 """
 
 from __future__ import annotations
+
+from collections.abc import Generator
 
 import torch
 
 from assistgen.backends.base import MAX_K
 
 
-@torch.inference_mode()
 def step_times(model, max_k: int = MAX_K, context: int = 128, repeats: int = 3,
                rows: list[int] | None = None) -> list[float]:
     """Seconds of one forward over n new tokens after `context` tokens, for n = 1..max_k+1 (or each n in `rows`)."""
+    return finish(step_time_pieces(model, max_k, context, repeats, rows))
+
+
+@torch.inference_mode()
+def step_time_pieces(model, max_k: int = MAX_K, context: int = 128, repeats: int = 3,
+                     rows: list[int] | None = None) -> Generator[None, None, list[float]]:
+    """`step_times`, yielding after each timed pass."""
     rows = list(rows) if rows is not None else list(range(1, max_k + 2))
     ids, context = random_context(model, context, max(rows), seed=0)
     cache = model.new_cache()
@@ -30,7 +41,7 @@ def step_times(model, max_k: int = MAX_K, context: int = 128, repeats: int = 3,
         cache.crop(context)
         return elapsed
 
-    return best_of_rounds([lambda n=n: run(n) for n in rows], repeats)
+    return (yield from rounds([lambda n=n: run(n) for n in rows], repeats))
 
 
 def random_context(model, context: int, new: int, seed: int) -> tuple[list[int], int]:
@@ -46,10 +57,25 @@ def random_context(model, context: int, new: int, seed: int) -> tuple[list[int],
 def best_of_rounds(runs: list, repeats: int) -> list[float]:
     """Each timed run's best of `repeats` rounds, taken round-robin over the runs, after a warm-up round.
     runs: callables returning seconds."""
+    return finish(rounds(runs, repeats))
+
+
+def rounds(runs: list, repeats: int) -> Generator[None, None, list[float]]:
+    """`best_of_rounds`, yielding after each run."""
     best = [float("inf")] * len(runs)
     for round_ in range(repeats + 1):
         for i, run in enumerate(runs):
             elapsed = run()
             if round_:
                 best[i] = min(best[i], elapsed)
+            yield
     return best
+
+
+def finish(pieces: Generator):
+    """Run a measurement's pieces to the end; its result."""
+    while True:
+        try:
+            next(pieces)
+        except StopIteration as done:
+            return done.value

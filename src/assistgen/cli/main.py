@@ -235,7 +235,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if alone:
         raise ConfigError(f"{', '.join(alone)} set(s) how Ray Serve runs replicas: add --replicas N.")
     template = chat_template_text(args)
-    target, assistant = load_target_and_assistant(args, serving_loading(args))
+    target, assistant = load_target_and_assistant(args, serving_loading(args), calibration="later")
     if template is not None:
         use_chat_template(target, template)
     drafters = partial(make_drafter, target, assistant, args.lookup, args.early_exit or False, suffix=args.suffix)

@@ -79,19 +79,21 @@ def loading(args: argparse.Namespace, assistant: bool = False) -> dict:
     return out
 
 
-def load_target_and_assistant(args: argparse.Namespace, extra: dict | None = None) -> tuple:
-    """A command's target and its assistant (None without --assistant). With --max-memory the assistant is loaded
-    first and stays resident: what it added (its anonymous memory and the file pages it maps, measured after its
-    load's passes) is taken from the budget, and the target gets the rest."""
+def load_target_and_assistant(args: argparse.Namespace, extra: dict | None = None, calibration: str = "now") -> tuple:
+    """A command's target and its assistant (None without --assistant), their costs measured now or later
+    (`api.prepare`). With --max-memory the assistant is loaded first and stays resident: what it added (its
+    anonymous memory and the file pages it maps, measured after its load's passes) is taken from the budget, and the
+    target gets the rest."""
     from assistgen import load_model
     from assistgen.backends.budget import megabytes, parse_budget, resident
     from assistgen.backends.embedded import say
 
-    target = {**loading(args), **(extra or {})}  # (`extra`: the target's options a command adds)
+    target = {**loading(args), **(extra or {}), "calibration": calibration}  # (`extra`: the target's options a
+    # command adds)
     if not args.assistant:
         return load_model(args.model, **target), None
     before = resident()
-    assistant = load_model(args.assistant, **loading(args, assistant=True))
+    assistant = load_model(args.assistant, **loading(args, assistant=True), calibration=calibration)
     if "max_memory" in target:
         budget = parse_budget(target["max_memory"])
         after = resident()  # (its load ran passes: every weight it reads is resident, in its file's pages or copied)
@@ -125,7 +127,8 @@ def add_structure(p: argparse.ArgumentParser) -> None:
     group.add_argument("--json-schema", metavar="FILE", help="the output follows this JSON schema (a .json file)")
     group.add_argument("--json", action="store_true", help="the output is a JSON object")
     group.add_argument("--regex", metavar="RE", help="the output matches this regular expression")
-    group.add_argument("--grammar", metavar="FILE", help="the output follows this grammar (GBNF, llama.cpp's, or Lark, llguidance's)")
+    group.add_argument("--grammar", metavar="FILE",
+                       help="the output follows this grammar (GBNF, llama.cpp's, or Lark, llguidance's)")
 
 
 def structure_from(args: argparse.Namespace) -> Structure | None:

@@ -5,12 +5,12 @@ Contract: `call_syntax(tokenizer)` is the call syntax a model's chat template re
 Qwen2.5/Qwen3 and Hermes templates: `<tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call>`; besides its
 own form a syntax reads the forms small models write instead: a JSON object whose "name" is a tool's, in a
 markdown block, bare, or in the doubled braces of Qwen2.5's template's example), or None when the template renders
-no tools; `syntax.for_tools(names)` binds it to a request's tools. `Tool.of(spec,
-where)` checks one OpenAI function tool (ConfigError naming `where` and the fix). `call_structure(syntax, tools,
-choice, parallel)` is the `config.Structure` (a Lark grammar with lazy triggers) under which every call the model writes is
-one of `tools` with arguments valid for that tool's parameter schema (laid out as templates render arguments), named
-by the tool's place when it does not compile (`ToolSchemaError`): with `choice="auto"` text is free until the model
-opens a call in one of the forms; "required" and a tool's name make the output calls only, in the template's form;
+no tools; `syntax.for_tools(names)` binds it to a request's tools. `Tool.of(spec, where)` checks one OpenAI function
+tool (ConfigError naming `where` and the fix). `call_structure(syntax, tools, choice, parallel)` is the
+`config.Structure` (a Lark grammar with lazy triggers) under which every call the model writes is one of `tools`
+with arguments valid for that tool's parameter schema (laid out as templates render arguments), named by the tool's
+place when it does not compile (`ToolSchemaError`): with `choice="auto"` text is free until the model opens a call
+in one of the forms; "required" and a tool's name make the output calls only, in the template's form;
 `parallel=False` ends it after the first call. `CallParser.feed(text)` takes the generated text in pieces of any size
 (one step may accept 17 tokens) and returns `Content`, `CallStart` and `Arguments` events, holding back only what may
 still turn out to be syntax (and whitespace, which may only separate two calls); `finish()` releases held-back text

@@ -9,24 +9,29 @@ t(n) / t(1) at a few wider row counts (`WIDE_ROWS`, for batched steps over many 
 `PassCosts.rows`) and what a further sequence and a further draft row cost in a pass over `BATCH`
 sequences (`PassCosts.batch`), and cached as JSON under `$ASSISTGEN_CACHE/costs/`, keyed by the model's
 fingerprint (`backends.base`: model, set-up, library versions, CPU, threads), so a change of any of them
-measures again; `calibrate(model, refresh=True)` or deleting the file re-measures. `slower_by(costs, extra_s)` is the
-curve when every pass costs a fixed `extra_s` more than when measured (the adaptive policy follows that online).
-Models without a `cache_key` are measured once per model object. Everything is measured through the backend seam (new
-cache, feed, crop, fork, clock), so any backend can be priced. How long a drafter takes per proposed
-token is measured online by the adaptive schedule, not here.
+measures again; `calibrate(model, refresh=True)` or deleting the file re-measures. `calibrate(model, later=True)`
+does not hold up a server's start: with nothing on disk it sets a provisional curve from two row counts
+(`quick_costs`, conservative where t(n) is flat and then rises) and leaves the full measurement as a `Calibration` in
+`pending()`, which the serving engine advances one timed pass at a time while no request runs. `slower_by(costs,
+extra_s)` is the curve when every pass costs a fixed `extra_s` more than when measured (the adaptive policy follows
+that online). Models without a `cache_key` are measured once per model object. Everything is measured through the
+backend seam (new cache, feed, crop, fork, clock), so any backend can be priced. How long a drafter takes per
+proposed token is measured online by the adaptive schedule, not here.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from assistgen.backends.measure import best_of_rounds, random_context, step_times
-from assistgen.paths import measurement_file, remembered
+from assistgen.backends.measure import finish, random_context, rounds, step_time_pieces, step_times
+from assistgen.paths import measurement_file, recalled, remember, remembered
 from assistgen.policy.gain import MAX_K
 
 WIDE_ROWS = (24, 32, 64, 128)  # row counts past MAX_K + 1 measured for batched steps (`PassCosts.rows`)
@@ -145,9 +150,20 @@ def pass_costs(model) -> PassCosts:
     return model.costs if model.costs is not None else calibrate(model)
 
 
-def calibrate(model, refresh: bool = False) -> PassCosts:
-    """Read the model's costs from disk, or measure them now (and save them); kept in `model.costs`."""
-    record = remembered(costs_path(model), lambda: measure_costs(model), REQUIRED, refresh)
+def calibrate(model, refresh: bool = False, later: bool = False) -> PassCosts:
+    """Read the model's costs from disk, or measure them now (and save them); kept in `model.costs`. `later`: when
+    nothing is on disk, a provisional curve now (`quick_costs`, a few passes) and the full measurement left to a
+    `Calibration` in `pending()`, which a server runs while it is idle (an offloaded model is measured now)."""
+    path = costs_path(model)
+    if later and not model.max_memory:
+        record = None if refresh else recalled(path, REQUIRED)
+        if record is None:
+            model.costs = quick_costs(model)
+            _PENDING[model] = Calibration(model, path)
+            return model.costs
+        model.costs = PassCosts.of(record)
+        return model.costs
+    record = remembered(path, lambda: measure_costs(model), REQUIRED, refresh)
     model.costs = PassCosts.of(record)
     return model.costs
 
@@ -158,27 +174,112 @@ def costs_path(model) -> Path | None:
 
 
 SPARSE_ROWS = (1, 2, 3, 5, 9, 13, 17)  # the row counts timed under a memory budget (the rest interpolated)
+QUICK_ROWS = (1, MAX_K + 1)  # the row counts a provisional curve is timed at
 
 
-@torch.inference_mode()
-def measure_costs(model) -> dict:
-    """Time the model's passes. Under a memory budget (`max_memory`) every pass reads the weights from their file
-    (seconds each on a large model), so fewer are timed: the row counts of `SPARSE_ROWS` once each after a warm-up,
-    the curve linear between them; the policy follows the passes' real times online anyway (`RowFit`)."""
+def quick_costs(model) -> PassCosts:
+    """A provisional, conservative PassCosts from two row counts (QUICK_ROWS, best of 2): the curve linear
+    between them. t(n) is flat and then rises, so the chord prices every row count between at or above its
+    measure, and every wider pass (and each further sequence or batched draft row) at the chord's end's cost
+    per row, which t(n) / n only falls from: the policy drafts no more than the measured curve would have it."""
+    first, last = step_times(model, rows=list(QUICK_ROWS), repeats=2)
+    times = interpolated([first, last], QUICK_ROWS)
+    per_row = last / QUICK_ROWS[-1] / first  # t(1) units
+    return PassCosts.of({"model": model.name, "measured": "provisional", "provisional": True,
+                         "step_seconds": times, "verification_costs": [t / first for t in times],
+                         "wide_rows": list(WIDE_ROWS), "wide_costs": [n * per_row for n in WIDE_ROWS],
+                         "sequence_cost": per_row, "batch_row_cost": per_row})
+
+
+def measurement_stages(model) -> list[Callable[[], Generator]]:
+    """The cost measurement as stages, each a generator of timed passes (`backends.measure`) whose value is its
+    times: one sequence's curve, its wider passes, the batched passes. Under a memory budget (`max_memory`)
+    every pass reads the weights from their file (seconds each on a large model), so fewer are timed: the row
+    counts of `SPARSE_ROWS` once each after a warm-up, the curve linear between them; the policy follows the
+    passes' real times online anyway (`RowFit`)."""
     if model.max_memory:
-        times = interpolated(step_times(model, rows=list(SPARSE_ROWS), repeats=1), SPARSE_ROWS)
-        wide = step_times(model, repeats=1, rows=list(WIDE_ROWS))
-        one, apart, two = batch_step_times(model, repeats=1)
-    else:
-        times = step_times(model, max_k=MAX_K)
-        wide = step_times(model, repeats=2, rows=list(WIDE_ROWS))
-        one, apart, two = batch_step_times(model)
+        return [lambda: step_time_pieces(model, rows=list(SPARSE_ROWS), repeats=1),
+                lambda: step_time_pieces(model, repeats=1, rows=list(WIDE_ROWS)),
+                lambda: batch_step_pieces(model, repeats=1)]
+    return [lambda: step_time_pieces(model, max_k=MAX_K),
+            lambda: step_time_pieces(model, repeats=2, rows=list(WIDE_ROWS)),
+            lambda: batch_step_pieces(model)]
+
+
+def costs_record(model, times: list[float], wide: list[float], batch: tuple[float, float, float]) -> dict:
+    """The saved record of a measurement's stages' times."""
+    if model.max_memory:
+        times = interpolated(times, SPARSE_ROWS)
+    one, apart, two = batch
     return {"model": model.name, "measured": time.strftime("%Y-%m-%d %H:%M"),
             "step_seconds": [round(t, 6) for t in times], "verification_costs": [t / times[0] for t in times],
             "wide_rows": list(WIDE_ROWS), "wide_costs": [t / times[0] for t in wide],
             # a batched pass over BATCH sequences: each further sequence, each further row of one (t(1) units)
             "sequence_cost": max(0.0, (apart - one) / (BATCH - 1) / times[0]),
             "batch_row_cost": max(0.0, (two - apart) / BATCH / times[0])}
+
+
+def measure_costs(model) -> dict:
+    """Time the model's passes, every stage now."""
+    return costs_record(model, *(finish(stage()) for stage in measurement_stages(model)))
+
+
+class Calibration:
+    """A model's full cost measurement, run in pieces between other work (one thread, the model's own).
+    `advance()` times one pass and says whether more remain; after the last the record is saved and becomes
+    `model.costs`, and the calibration leaves `pending()`. `interrupt()` drops the stage half done (closing its
+    generator frees its caches, so the model's sequences can serve), to be timed again from that stage's start.
+    `abandon()` gives up: the provisional costs stay."""
+
+    def __init__(self, model, path: Path | None):
+        self.model, self.path = model, path
+        self.stages = measurement_stages(model)
+        self.results: list = []
+        self.current: Generator | None = None
+
+    def advance(self) -> bool:
+        if self.current is None:
+            self.current = self.stages[len(self.results)]()
+        try:
+            next(self.current)
+            return True
+        except StopIteration as done:
+            self.results.append(done.value)
+            self.current = None
+        if len(self.results) < len(self.stages):
+            return True
+        record = costs_record(self.model, *self.results)
+        remember(self.path, record)
+        self.model.costs = PassCosts.of(record)
+        _PENDING.pop(self.model, None)
+        return False
+
+    def interrupt(self) -> None:
+        if self.current is not None:
+            self.current.close()
+            self.current = None
+
+    def abandon(self) -> None:
+        self.interrupt()
+        _PENDING.pop(self.model, None)
+
+
+_PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its Calibration, until measured
+
+
+def pending() -> list[Calibration]:
+    """The cost measurements left for later (`calibrate(later=True)`), oldest first."""
+    return list(_PENDING.values())
+
+
+def costs_state(model) -> str:
+    """What the policy prices `model`'s passes on: "measured", "measuring" (provisional costs, the measurement
+    pending), "provisional" (the measurement given up) or "unmeasured" (nothing yet)."""
+    if model.costs is None:
+        return "unmeasured"
+    if not model.costs.record.get("provisional"):
+        return "measured"
+    return "measuring" if model in _PENDING else "provisional"
 
 
 def interpolated(times: list[float], rows: tuple[int, ...]) -> list[float]:
@@ -189,6 +290,12 @@ def interpolated(times: list[float], rows: tuple[int, ...]) -> list[float]:
 def batch_step_times(model, context: int = 128, repeats: int = 3) -> tuple[float, float, float]:
     """Seconds of one pass over BATCH new rows of one sequence, over one new row of each of BATCH sequences, and
     over two rows of each (best of `repeats`, round-robin), after `context` tokens each."""
+    return finish(batch_step_pieces(model, context, repeats))
+
+
+@torch.inference_mode()
+def batch_step_pieces(model, context: int = 128, repeats: int = 3) -> Generator[None, None, tuple]:
+    """`batch_step_times`, yielding after each timed pass."""
     ids, context = random_context(model, context, BATCH, seed=1)
     first = model.new_cache()
     first.feed(ids[:context])
@@ -204,5 +311,5 @@ def batch_step_times(model, context: int = 128, repeats: int = 3) -> tuple[float
             cache.crop(context)
         return elapsed
 
-    one, apart, two = best_of_rounds([lambda f=f: run(f) for f in shapes], repeats)
+    one, apart, two = yield from rounds([lambda f=f: run(f) for f in shapes], repeats)
     return one, apart, two

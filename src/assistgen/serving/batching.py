@@ -13,13 +13,16 @@ that went away: its rows are freed before the next step), or "error" (`Request.e
 the loop to return. Each request gets its own drafter: the one given to `submit`, else a fresh one from
 `make_drafter()` (drafters hold per-request state: caches, estimates), its own sampler and schedule
 run; only the target and its weights are shared. Greedy output of a request is the output
-`engine.stream` gives for it alone.
+`engine.stream` gives for it alone. While no request runs or waits, the engine times the passes of any model whose
+cost measurement was left for later (`policy.costs.pending`), one pass at a time; a request that arrives drops the
+stage half done (to be timed again from its start), so a request waits at most one pass.
 """
 
 from __future__ import annotations
 
 import itertools
 import queue
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -31,6 +34,7 @@ from assistgen.core.constraint import compile_structure
 from assistgen.core.engine import Chunk, GenerationState, begin, step
 from assistgen.core.prefix import PrefixCache, check_capacity, default_capacity
 from assistgen.drafters.base import Drafter
+from assistgen.policy.costs import Calibration, pending
 from assistgen.policy.schedules import Schedule
 
 
@@ -183,13 +187,23 @@ class BatchEngine:
         active: list[tuple[Request, GenerationState]] = []
         while True:
             with self.lock:
-                while not self.waiting and not active and self.accepting:
+                while not self.waiting and not active and self.accepting and not pending():
                     self.lock.wait(0.5)  # with a timeout: a main thread waiting here still takes signals
                 if not self.waiting and not active:
-                    return  # shut down and drained
-                joining = []
-                while self.waiting and len(active) + len(joining) < self.settings.max_batch:
-                    joining.append(self.waiting.popleft())
+                    if not self.accepting:
+                        return  # shut down and drained
+                    joining = None  # idle, with costs left to measure
+                else:
+                    joining = []
+                    while self.waiting and len(active) + len(joining) < self.settings.max_batch:
+                        joining.append(self.waiting.popleft())
+            if joining is None:
+                for calibration in pending()[:1]:
+                    measure_a_pass(calibration)
+                continue
+            if joining:
+                for calibration in pending():  # (its half-done stage's caches freed for the requests)
+                    calibration.interrupt()
             active += [(r, s) for r in joining if (s := self._begin(r)) is not None]
             active = [(r, s) for r, s in active if not self._cancelled(r, s)]
             self.running = [r for r, _ in active]
@@ -258,6 +272,17 @@ def prefix_cache_for(target: LanguageModel, settings: EngineSettings) -> PrefixC
     limit = target.max_sequences
     entries = None if limit is None else max(1, limit - 2 * settings.max_batch)
     return PrefixCache(target, capacity, entries)
+
+
+def measure_a_pass(calibration: Calibration) -> None:
+    """One timed pass of a model's cost measurement, run while the engine is idle; a measurement that fails (its
+    model's sequences taken by kept prefixes, say) is given up, the provisional costs kept."""
+    try:
+        calibration.advance()
+    except Exception as e:  # noqa: BLE001 - the server serves on the provisional costs
+        calibration.abandon()
+        print(f"assistgen: measuring {calibration.model.name}'s pass costs failed ({type(e).__name__}: {e}); the "
+              "policy keeps its provisional costs (`assistgen calibrate` measures them).", file=sys.stderr)
 
 
 def free_rows(sequence: GenerationState) -> None:

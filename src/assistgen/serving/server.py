@@ -58,6 +58,7 @@ from assistgen.core.tools import (
 )
 from assistgen.drafters.base import Drafter
 from assistgen.drafters.ngram import NGramCache
+from assistgen.policy.costs import costs_state
 from assistgen.serving.batching import BatchEngine, QueueFull, Request
 from assistgen.serving.metrics import Metrics, spec_decode_metrics
 from assistgen.serving.protocol import (
@@ -609,7 +610,8 @@ async def model(model_id: str, http: HTTPRequest):
 async def health(http: HTTPRequest):
     state = state_of(http)
     capabilities = state.engine.target.capabilities
-    body = {"status": "shutting down" if state.closing else "ok", "exact": capabilities.exact}
+    body = {"status": "shutting down" if state.closing else "ok", "exact": capabilities.exact,
+            "costs": costs_state(state.engine.target)}
     if not capabilities.exact:
         body["inexact_reason"] = capabilities.inexact_reason
     return body
