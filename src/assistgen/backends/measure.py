@@ -1,13 +1,12 @@
 """Timing a model's forward passes through the seam: what route tuning and the cost model both measure.
 
-Contract: `step_times(model)` returns the seconds of one forward pass over n = 1..max_k+1 new tokens (or
-each n of `rows`) after a short random context, the best of a few rounds taken round-robin
-(`best_of_rounds`: a burst of noise then spoils one round of each row count, not every round of one);
-`random_context` makes the random ids. `step_time_pieces` and `rounds` are the same measurements as generators
-that yield after each timed pass (their return value the result: `finish` runs one to its end), for a caller that
-measures between other work and may drop a measurement half done (closing it frees its caches). It uses only
-`backends.base` verbs (`new_cache`, `feed`, `crop`, `clock`), so it times any backend; it knows nothing about
-policies or routes.
+Contract: `step_times(model)` returns the seconds of one forward pass over n = 1..max_k+1 new tokens (or each n of
+`rows`) after a short random context, the best of a few rounds taken round-robin (`best_of_rounds`: a burst of noise
+then spoils one round of each row count, not every round of one); `random_context` makes the random ids (fed in
+pieces by `fed_in_pieces`). `step_time_pieces` and `rounds` are the same measurements as generators that yield after
+each timed pass (their return value the result: `finish` runs one to its end), for a caller that measures between
+other work and may drop a measurement half done (closing it frees its caches). It uses only `backends.base` verbs
+(`new_cache`, `feed`, `crop`, `clock`), so it times any backend; it knows nothing about policies or routes.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ def step_time_pieces(model, max_k: int = MAX_K, context: int = 128, repeats: int
     rows = list(rows) if rows is not None else list(range(1, max_k + 2))
     ids, context = random_context(model, context, max(rows), seed=0)
     cache = model.new_cache()
-    cache.feed(ids[:context])
+    yield from fed_in_pieces(cache, ids[:context])
 
     def run(n: int) -> float:
         start = model.clock()
@@ -42,6 +41,13 @@ def step_time_pieces(model, max_k: int = MAX_K, context: int = 128, repeats: int
         return elapsed
 
     return (yield from rounds([lambda n=n: run(n) for n in rows], repeats))
+
+
+def fed_in_pieces(cache, ids: list[int], piece: int = 16) -> Generator[None, None, None]:
+    """Feed a timing context `piece` tokens at a time, yielding after each (a caller waits at most one piece)."""
+    for start in range(0, len(ids), piece):
+        cache.feed(ids[start:start + piece])
+        yield
 
 
 def random_context(model, context: int, new: int, seed: int) -> tuple[list[int], int]:

@@ -1,17 +1,16 @@
 """The cost model: what one forward pass over n rows costs relative to plain decoding, per model and machine.
 
-Contract: `pass_costs(model)` returns the model's `PassCosts`, kept in the model's own `costs` field:
-measured on first use (`calibrate`), or read back from disk. The curve `curve[k] = t(k+1) / t(1)` (v[k] in
-`gain.py`), where t(n) is the time of one forward pass over n new tokens after a short context
-(`backends.measure.step_times`): a step that verifies k draft tokens feeds k+1 tokens, so it costs v[k]
-plain steps (v[0] = 1). It is measured on the model as it runs, after its transforms, together with
-t(n) / t(1) at a few wider row counts (`WIDE_ROWS`, for batched steps over many sequences:
-`PassCosts.rows`) and what a further sequence and a further draft row cost in a pass over `BATCH`
-sequences (`PassCosts.batch`), and cached as JSON under `$ASSISTGEN_CACHE/costs/`, keyed by the model's
-fingerprint (`backends.base`: model, set-up, library versions, CPU, threads), so a change of any of them
-measures again; `calibrate(model, refresh=True)` or deleting the file re-measures. `calibrate(model, later=True)`
-does not hold up a server's start: with nothing on disk it sets a provisional curve from two row counts
-(`quick_costs`, conservative where t(n) is flat and then rises) and leaves the full measurement as a `Calibration` in
+Contract: `pass_costs(model)` returns the model's `PassCosts`, kept in the model's own `costs` field: measured on
+first use (`calibrate`), or read back from disk. The curve `curve[k] = t(k+1) / t(1)` (v[k] in `gain.py`), where
+t(n) is the time of one forward pass over n new tokens after a short context (`backends.measure.step_times`): a step
+that verifies k draft tokens feeds k+1 tokens, so it costs v[k] plain steps (v[0] = 1). It is measured on the model
+as it runs, after its transforms, together with t(n) / t(1) at a few wider row counts (`WIDE_ROWS`, for batched
+steps over many sequences: `PassCosts.rows`) and what a further sequence and a further draft row cost in a pass over
+`BATCH` sequences (`PassCosts.batch`), and cached as JSON under `$ASSISTGEN_CACHE/costs/`, keyed by the model's
+fingerprint (`backends.base`: model, set-up, library versions, CPU, threads), so a change of any of them measures
+again; `calibrate(model, refresh=True)` or deleting the file re-measures. `calibrate(model, later=True)` does not
+hold up a server's start: with nothing on disk it sets a provisional curve from a few row counts (`quick_costs`,
+conservative: each row count priced at a wider one's time) and leaves the full measurement as a `Calibration` in
 `pending()`, which the serving engine advances one timed pass at a time while no request runs. `slower_by(costs,
 extra_s)` is the curve when every pass costs a fixed `extra_s` more than when measured (the adaptive policy follows
 that online). Models without a `cache_key` are measured once per model object. Everything is measured through the
@@ -30,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from assistgen.backends.measure import finish, random_context, rounds, step_time_pieces, step_times
+from assistgen.backends.measure import fed_in_pieces, finish, random_context, rounds, step_time_pieces, step_times
 from assistgen.paths import measurement_file, recalled, remember, remembered
 from assistgen.policy.gain import MAX_K
 
@@ -174,19 +173,20 @@ def costs_path(model) -> Path | None:
 
 
 SPARSE_ROWS = (1, 2, 3, 5, 9, 13, 17)  # the row counts timed under a memory budget (the rest interpolated)
-QUICK_ROWS = (1, MAX_K + 1)  # the row counts a provisional curve is timed at
+QUICK_ROWS = (1, 2, 3, 5, 9, MAX_K + 1)  # the row counts a provisional curve is timed at
 
 
 def quick_costs(model) -> PassCosts:
-    """A provisional, conservative PassCosts from two row counts (QUICK_ROWS, best of 2): the curve linear
-    between them. t(n) is flat and then rises, so the chord prices every row count between at or above its
-    measure, and every wider pass (and each further sequence or batched draft row) at the chord's end's cost
-    per row, which t(n) / n only falls from: the policy drafts no more than the measured curve would have it."""
-    first, last = step_times(model, rows=list(QUICK_ROWS), repeats=2)
-    times = interpolated([first, last], QUICK_ROWS)
-    per_row = last / QUICK_ROWS[-1] / first  # t(1) units
+    """A provisional, conservative PassCosts from a few row counts (QUICK_ROWS, best of 2). A pass over more rows
+    never takes less time, so each row count is priced at the next timed one up (a chord would not be safe: on
+    llama.cpp one row runs a faster kernel than two); every wider pass, and each further sequence or batched draft
+    row, at the widest timed pass's cost per row, which t(n) / n only falls from past it. The policy so drafts
+    no more than the measured curve would have it."""
+    timed = step_times(model, rows=list(QUICK_ROWS), repeats=2)
+    times = [timed[int(np.searchsorted(QUICK_ROWS, n))] for n in range(1, QUICK_ROWS[-1] + 1)]
+    per_row = timed[-1] / QUICK_ROWS[-1] / timed[0]  # t(1) units
     return PassCosts.of({"model": model.name, "measured": "provisional", "provisional": True,
-                         "step_seconds": times, "verification_costs": [t / first for t in times],
+                         "step_seconds": times, "verification_costs": [t / timed[0] for t in times],
                          "wide_rows": list(WIDE_ROWS), "wide_costs": [n * per_row for n in WIDE_ROWS],
                          "sequence_cost": per_row, "batch_row_cost": per_row})
 
@@ -298,7 +298,7 @@ def batch_step_pieces(model, context: int = 128, repeats: int = 3) -> Generator[
     """`batch_step_times`, yielding after each timed pass."""
     ids, context = random_context(model, context, BATCH, seed=1)
     first = model.new_cache()
-    first.feed(ids[:context])
+    yield from fed_in_pieces(first, ids[:context])
     caches = [first] + [first.fork() for _ in range(BATCH - 1)]
     shapes = ([(first, ids[context:], BATCH)], [(c, ids[context:context + 1], 1) for c in caches],
               [(c, ids[context:context + 2], 2) for c in caches])
