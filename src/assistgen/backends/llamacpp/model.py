@@ -388,8 +388,8 @@ def inexact_reason(switch, settings: LlamaSettings) -> str:
     if switch is None:
         return ("this llama.cpp library has no row-exact kernel switch (a stock llama-cpp-python build): passes run on "
                 "ggml's fast kernels, whose rounding depends on the rows beside a token, so assisted greedy output can "
-                "differ from plain decoding; install the patched libraries (`make llamacpp`, which applies "
-                "patches/llama.cpp-assistgen.patch)")
+                "differ from plain decoding; install the patched libraries (`pip uninstall llama-cpp-python`, then "
+                "`pip install 'assistgen[llamacpp]'`, which builds assistgen-llama-cpp; or `make llamacpp`)")
     if not settings.flash_attention:
         return ("flash attention is off: a row's attention depends on where its sequence's cells lie in the shared "
                 "pool, so assisted greedy output can differ from plain decoding; leave flash_attention on")
