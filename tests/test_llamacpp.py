@@ -236,14 +236,21 @@ def test_choosing_the_backend():
     assert choose_backend("smollm2-135m", quantize="int4") == "torch"
     assert choose_backend("smollm2-135m", device="cuda") == "torch"
     assert choose_backend("someone/model") == "torch"
+    assert choose_backend("someone/model", quantize="q4_k_m") == "llama.cpp"  # a GGUF type: converted for llama.cpp
     assert choose_backend("smollm2-135m", "torch") == "torch"
     with pytest.raises(ModelLoadError, match="Unknown backend"):
         choose_backend("smollm2-135m", "onnx")
 
 
 def test_bad_input_names_the_fix(tmp_path, smol, capsys):
-    with pytest.raises(ModelLoadError, match="runs GGUF files.*backend='torch'"):
-        load_model("someone/some-model", backend="llama.cpp")
+    with pytest.raises(ModelLoadError, match="neither a model folder, a .gguf file"):
+        load_model("no-such-model", backend="llama.cpp")
+    with pytest.raises(ModelLoadError, match="has no config.json"):
+        load_model(str(tmp_path), backend="llama.cpp")
+    with pytest.raises(ModelLoadError, match="GGUF file.*does not apply"):
+        load_model("smollm2-135m", backend="llama.cpp", quantize="q8_0")
+    with pytest.raises(ModelLoadError, match="GGUF type.*backend='llama.cpp'"):
+        load_model("smollm2-135m", backend="torch", quantize="q4_k_m")
     with pytest.raises(ModelLoadError, match="quantize belong to the torch backend"):
         load_model("smollm2-135m", backend="llama.cpp", quantize="int4")
     with pytest.raises(ModelLoadError, match="context belong to the llama.cpp backend"):
@@ -310,3 +317,34 @@ def test_the_server_on_llama_cpp_answers_concurrent_streams_like_single_requests
         if process.poll() is None:
             process.kill()
     assert all(singles)
+
+
+def test_a_transformers_folder_is_converted_quantized_and_cached_for_llama_cpp(tmp_path, monkeypatch, smol_torch):
+    """A hub-format model (the torch backend's float32 folder of SmolLM2) on llama.cpp: llama.cpp's converter and
+    quantizer make a Q4_K_M file once (cached, not made again), its tokenizer is the folder's (checked), it is
+    row-exact, greedy assisted output is its plain output, and it writes what the float model writes."""
+    from assistgen.backends.llamacpp import convert
+    from assistgen.backends.torch.loading import converted_dir
+
+    folder = converted_dir("smollm2-135m")
+    assert (folder / "config.json").is_file() and list(folder.glob("*.safetensors"))  # (made by `smol_torch`)
+    monkeypatch.setenv("ASSISTGEN_CACHE", str(tmp_path))
+    model = load_model(str(folder), quantize="q4_k_m")  # auto: a GGUF type picks llama.cpp
+    assert isinstance(model, LlamaModel) and model.capabilities.exact and model.tokenizer.name_or_path == str(folder)
+    [made] = list((tmp_path / "gguf" / "hub").glob("*.q4_k_m.gguf"))
+    assert model.path == made and not list(made.parent.glob("*.tmp"))
+    assert made.stat().st_size < 0.23 * sum(f.stat().st_size for f in folder.glob("*.safetensors"))  # 4-bit (q8_0 would be 0.27)
+    prompt = PROMPTS[1]
+    plain = generate(model, prompt, max_new_tokens=24, chat=True)
+    assisted = generate(model, prompt, lookup=True, max_new_tokens=24, chat=True)
+    assert assisted.token_ids == plain.token_ids and assisted.stats.drafted_tokens > 0 and assisted.stats.exact
+    reference = generate(smol_torch, prompt, max_new_tokens=24, chat=True)
+    assert plain.token_ids[:8] == reference.token_ids[:8]  # the same model, at 4 bits
+
+    def fail(*args, **kwargs):
+        raise AssertionError("converted again although the file is cached")
+
+    monkeypatch.setattr(convert, "run_converter", fail)
+    again = load_model(str(folder), backend="llama.cpp", quantize="q4_k_m")
+    assert again.path == made
+    assert generate(again, prompt, max_new_tokens=24, chat=True).token_ids == plain.token_ids

@@ -1,5 +1,6 @@
-"""Make assistgen-llama-cpp's sdist from llama-cpp-python's: its `llama_cpp` package and the llama.cpp sources
-that build libllama and libggml (tests, tools, docs and model files left out), patched with
+"""Make assistgen-llama-cpp's sdist from llama-cpp-python's: its `llama_cpp` package, the llama.cpp sources
+that build libllama and libggml (tests, tools, docs and model files left out) and llama.cpp's converter from
+Hugging Face folders (`llama_cpp/convert/convert_hf_to_gguf.py`, with its gguf-py), patched with
 `patches/llama.cpp-assistgen.patch`, under this folder's pyproject.toml and CMakeLists.txt.
 
     python native/assistgen-llama-cpp/assemble.py [--source llama_cpp_python-0.3.36.tar.gz] [--out build/dist]
@@ -23,14 +24,23 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PATCH = HERE.parent.parent / "patches" / "llama.cpp-assistgen.patch"
 KEPT = ("CMakeLists.txt", "LICENSE", "cmake/", "ggml/", "include/", "licenses/", "src/", "vendor/")  # of llama.cpp
+CONVERTER = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/", "gguf-py/LICENSE")  # of llama.cpp, the same
+# release's converter from Hugging Face folders to GGUF (with its own gguf-py, which it puts on its path)
 
 
-def kept(name: str) -> bool:
-    """Whether a member (path under the sdist's top folder) goes into ours."""
+def placed(name: str) -> str | None:
+    """Where a member (a path under the sdist's top folder) goes in ours: None for left out. The converter goes
+    into the package (`llama_cpp/convert/`), so that the wheel carries it."""
     if name.startswith("llama_cpp/") or name == "LICENSE.md":
-        return True
+        return name
     inner = name.removeprefix("vendor/llama.cpp/")
-    return inner != name and any(inner == k or inner.startswith(k) for k in KEPT)
+    if inner == name:
+        return None
+    if any(inner == k or inner.startswith(k) for k in KEPT):
+        return name
+    if any(inner == k or inner.startswith(k) for k in CONVERTER):
+        return f"llama_cpp/convert/{inner}"
+    return None
 
 
 def download(version: str, folder: Path) -> Path:
@@ -55,12 +65,13 @@ def assemble(source: Path, out: Path) -> Path:
         root = Path(tmp) / top
         with tarfile.open(source) as sdist:
             prefix = f"llama_cpp_python-{upstream}/"
-            members = [m for m in sdist.getmembers() if m.isfile() and m.name.startswith(prefix)
-                       and kept(m.name.removeprefix(prefix))]
+            members = []
+            for m in sdist.getmembers():
+                if m.isfile() and m.name.startswith(prefix) and (name := placed(m.name.removeprefix(prefix))):
+                    m.name = name
+                    members.append(m)
             if not members:
                 raise SystemExit(f"{source} is not llama-cpp-python {upstream}'s sdist")
-            for m in members:
-                m.name = m.name.removeprefix(prefix)
             sdist.extractall(root, members=members, filter="data")
         subprocess.run(["patch", "-p1", "-s", "-d", str(root / "vendor" / "llama.cpp"), "-i", str(PATCH)],
                        check=True)

@@ -1,11 +1,13 @@
 """Choosing a backend and loading a model on it: `load(spec, backend="auto" | "torch" | "llama.cpp", ...)`.
 
 Contract: "auto" picks llama.cpp for a GGUF file (an embedded alias or a `.gguf` path) on the CPU when
-llama-cpp-python is installed and nothing only the torch backend does was asked for (`dtype`, `quantize`,
-a GPU); everything else loads on torch. Options that belong to one backend are refused on the other with
-a message naming the fix, never ignored: `dtype`, `device` and `quantize` are the torch backend's;
-`context`, `sequences`, `threads`, `repack`, `flash_attention` and `exact_prompts` (`LlamaSettings`) are
-llama.cpp's. `max_memory` (a memory budget, `backends.budget`: offloaded weights) is both backends'.
+llama-cpp-python is installed and nothing only the torch backend does was asked for (`dtype`, `quantize="int8"|
+"int4"`, a GPU), and for any model when `quantize` names a GGUF type (`llamacpp.convert.GGUF_TYPES`: a
+transformers folder or hub id converted on first use); everything else loads on torch. Options that belong to
+one backend are refused on the other with a message naming the fix, never ignored: `dtype` and `device` are the
+torch backend's; `context`, `sequences`, `threads`, `repack`, `flash_attention` and `exact_prompts`
+(`LlamaSettings`) are llama.cpp's. `max_memory` (a memory budget, `backends.budget`: offloaded weights) and
+`quantize` (int8/int4 on torch, a GGUF type on llama.cpp) are both backends'.
 Bad specs raise `ModelLoadError`.
 """
 
@@ -15,6 +17,7 @@ from dataclasses import fields
 
 from assistgen.backends.embedded import EMBEDDED, ModelLoadError
 from assistgen.backends.llamacpp import loading as llama_loading
+from assistgen.backends.llamacpp.convert import is_gguf_type
 from assistgen.backends.llamacpp.model import LlamaSettings
 
 BACKENDS = ("auto", "torch", "llama.cpp")
@@ -32,9 +35,11 @@ def choose_backend(spec: str, backend: str = "auto", **options) -> str:
     if any(options.get(k) is not None for k in LLAMA_OPTIONS if k not in SHARED):
         return "llama.cpp"
     gguf = isinstance(spec, str) and (spec.strip() in EMBEDDED or spec.strip().endswith(".gguf"))
-    torch_only = any(options.get(k) is not None for k in ("dtype", "quantize")) or \
+    quantize = options.get("quantize")
+    torch_only = options.get("dtype") is not None or (quantize is not None and not is_gguf_type(quantize)) or \
         str(options.get("device") or "cpu") != "cpu"
-    return "llama.cpp" if gguf and not torch_only and llama_loading.available() else "torch"
+    return "llama.cpp" if (gguf or is_gguf_type(quantize)) and not torch_only and llama_loading.available() \
+        else "torch"
 
 
 def load(spec: str, backend: str = "auto", **options):
@@ -48,11 +53,17 @@ def load(spec: str, backend: str = "auto", **options):
     if chosen == "llama.cpp":
         wrong = [k for k in given if k in TORCH_OPTIONS and k not in SHARED
                  and not (k == "device" and str(given[k]) == "cpu")]
+        if "quantize" in given and not is_gguf_type(given["quantize"]):
+            wrong.append("quantize")
         if wrong:
-            raise ModelLoadError(f"{', '.join(wrong)} belong to the torch backend; llama.cpp runs the GGUF file's "
-                                 "own weight types on the CPU. Use backend='torch' (--backend torch) for them.")
+            raise ModelLoadError(f"{', '.join(wrong)} belong to the torch backend; llama.cpp runs a GGUF file's own "
+                                 "weight types on the CPU (quantize there names a GGUF type a transformers folder is "
+                                 "converted to: q4_k_m, q8_0, ...). Use backend='torch' (--backend torch) for them.")
         return llama_loading.load(spec, LlamaSettings(**{k: v for k, v in given.items() if k in LLAMA_OPTIONS}))
     wrong = [k for k in given if k in LLAMA_OPTIONS and k not in SHARED]
+    if is_gguf_type(given.get("quantize")):
+        raise ModelLoadError(f"quantize={given['quantize']!r} is a GGUF type, which llama.cpp's quantizer makes: use "
+                             "backend='llama.cpp' (--backend llama.cpp); the torch backend quantizes to int8 or int4.")
     if wrong:
         raise ModelLoadError(f"{', '.join(wrong)} belong to the llama.cpp backend: use backend='llama.cpp' "
                              "(--backend llama.cpp) with a GGUF file.")

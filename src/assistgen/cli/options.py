@@ -22,8 +22,10 @@ from assistgen.config import ConfigError, Structure
 
 
 def add_quantize(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quantize", metavar="|".join(SCHEMES),
-                   help="weight-only quantization of the model(s) (int8 per channel, int4 in groups); cached on disk")
+    p.add_argument("--quantize", metavar="|".join((*SCHEMES, "q4_k_m", "q8_0", "...")),
+                   help="weight-only quantization of the model(s), cached on disk: on torch int8 (per channel) or int4 "
+                        "(in groups); a GGUF type (q4_k_m, q8_0, q6_k, f16, ...) converts a transformers folder or hub "
+                        "id for the llama.cpp backend with llama.cpp's converter and quantizer")
 
 
 def add_placement(p: argparse.ArgumentParser) -> None:

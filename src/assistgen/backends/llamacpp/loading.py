@@ -1,9 +1,11 @@
-"""Loading a GGUF file into llama.cpp: embedded aliases and `.gguf` paths, memory-mapped, with no conversion.
+"""Loading a model into llama.cpp: embedded aliases and `.gguf` paths memory-mapped as they are, transformers
+folders and hub ids converted to GGUF once (`convert.py`, to the type `LlamaSettings.quantize` names).
 
 Contract: `load(spec, settings)` returns a `LlamaModel` or raises `ModelLoadError` naming the way out:
-llama-cpp-python not installed (the install command), a spec that is not a GGUF file (`backend="torch"`
-reads hub ids and model folders), a file llama.cpp cannot load (its own message, and `backend="torch"`).
+llama-cpp-python not installed (the install command), a spec that is neither a GGUF file nor a convertible
+model, a file llama.cpp cannot load (its own message, and `backend="torch"`).
 The tokenizer is the Hugging Face tokenizer transformers builds from the same GGUF (the torch backend's,
+or a converted model's own folder's,
 so that a model on either backend drafts for the other with token ids as they are), saved once under the
 cache folder; it is checked to give llama.cpp's own ids on a test text (`check_tokenizer`), and a file
 on which the two differ is refused rather than decoded with ids llama.cpp would not produce.
@@ -23,6 +25,7 @@ from pathlib import Path
 
 from assistgen.backends.budget import check_model_budget, parse_budget, resident
 from assistgen.backends.embedded import EMBEDDED, ModelLoadError, say
+from assistgen.backends.llamacpp.convert import converted_gguf
 from assistgen.backends.llamacpp.model import DEFAULT_CONTEXT, LlamaModel, LlamaSettings, cell_bytes, kernel_switch
 from assistgen.config import DEFAULT_PREFIX_CACHE
 from assistgen.paths import cache_root, replaced_atomically, safe_name
@@ -53,10 +56,13 @@ def load(spec: str, settings: LlamaSettings | None = None) -> LlamaModel:
     if settings.max_memory is not None:
         settings = replace(settings, max_memory=parse_budget(settings.max_memory), repack=False)
     lib = library()
-    path = gguf_file(spec.strip())
-    if path is None:
-        raise ModelLoadError(f"The llama.cpp backend runs GGUF files (an embedded alias or a path ending in .gguf), "
-                             f"not {spec!r}: load it with backend='torch' (--backend torch).")
+    path, source = gguf_file(spec.strip()), None
+    if path is None:  # a transformers folder or hub id: converted (and quantized) on first use
+        path, source = converted_gguf(spec.strip(), settings.quantize, lib)
+    elif settings.quantize is not None:
+        raise ModelLoadError(f"{spec} is a GGUF file: llama.cpp runs it as its own weight types, so quantize="
+                             f"{settings.quantize!r} does not apply; give the transformers folder or hub id to "
+                             "convert it to another type.")
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
     errors = _capture_log(lib)
@@ -97,9 +103,9 @@ def load(spec: str, settings: LlamaSettings | None = None) -> LlamaModel:
         lib.llama_model_free(model_ptr)
         raise ModelLoadError(f"llama.cpp could not make a context of {context} positions and {settings.sequences} "
                              f"sequences for {path.name}: {_said(errors)}. Ask for a shorter context (--context).")
-    name = spec if spec in EMBEDDED else path.name
+    name = spec if spec in EMBEDDED or source is not None else path.name
     key = safe_name(f"{path.stem}-{path.stat().st_size}")
-    tokenizer = _tokenizer(path, key)
+    tokenizer = _tokenizer(path, key) if source is None else _folder_tokenizer(source)
     model = LlamaModel(lib, model_ptr, context_ptr, tokenizer, name, path, settings, cache_key=f"llama.cpp-{key}")
     check_tokenizer(model)
     if settings.max_memory is not None:
@@ -235,6 +241,16 @@ def _tokenizer(path: Path, key: str):
         tmp.mkdir(parents=True)
         tokenizer.save_pretrained(tmp)
     return tokenizer
+
+
+def _folder_tokenizer(folder: Path):
+    """A converted model's tokenizer: its own folder's (checked against llama.cpp's ids like any other)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # transformers raises many kinds on a folder it cannot read
+        raise ModelLoadError(f"Could not read the tokenizer of {folder}: {type(e).__name__}: {e}") from e
 
 
 def llama_tokenize(model: LlamaModel, text: str) -> list[int]:

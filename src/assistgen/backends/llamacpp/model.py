@@ -69,6 +69,9 @@ class LlamaSettings:
     # (`core.prefix.PrefixCache`), so that the running sequences keep at least `context` cells; "auto": the server's
     # default prefix cache (config.DEFAULT_PREFIX_CACHE, or one full context where that is more).
     kept_bytes: int | str = 0
+    # For a transformers folder or hub id: the GGUF type it is converted to on first use (`convert.GGUF_TYPES`:
+    # q4_k_m, q8_0, ...; None: "auto", its own 16-bit type). A GGUF file runs as its own types.
+    quantize: str | None = None
 
     def thread_count(self) -> int:
         import os
