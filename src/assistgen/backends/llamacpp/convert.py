@@ -28,9 +28,10 @@ from assistgen.backends.embedded import ModelLoadError, say
 from assistgen.paths import cache_root, safe_name
 
 CONVERTER_TYPES = ("auto", "f32", "f16", "bf16", "q8_0")  # what the converter writes itself
+# what llama.cpp's quantizer makes from them, with the name of its LLAMA_FTYPE_MOSTLY_* constant
 QUANTIZER_TYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1", "q2_k": "Q2_K", "q3_k_s": "Q3_K_S",
                    "q3_k_m": "Q3_K_M", "q3_k_l": "Q3_K_L", "q4_k_s": "Q4_K_S", "q4_k_m": "Q4_K_M", "q5_k_s": "Q5_K_S",
-                   "q5_k_m": "Q5_K_M", "q6_k": "Q6_K", "iq4_nl": "IQ4_NL", "iq4_xs": "IQ4_XS"}  # -> LLAMA_FTYPE_MOSTLY_*
+                   "q5_k_m": "Q5_K_M", "q6_k": "Q6_K", "iq4_nl": "IQ4_NL", "iq4_xs": "IQ4_XS"}
 GGUF_TYPES = (*CONVERTER_TYPES, *QUANTIZER_TYPES)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
