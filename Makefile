@@ -54,6 +54,7 @@ $(LLAMA_WHEEL): $(LLAMA_SDIST)
 $(LLAMA_STAMP): $(LLAMA_WHEEL) | $(STAMP)
 	$(BIN)/pip uninstall --quiet --yes llama-cpp-python 2>/dev/null || true
 	$(BIN)/pip install --quiet --force-reinstall --no-deps $(DIST)/assistgen_llama_cpp-$(COMPANION_VERSION)-*.whl
+	$(BIN)/pip install --quiet $(DIST)/assistgen_llama_cpp-$(COMPANION_VERSION)-*.whl  # its requirements (diskcache, jinja2)
 	$(BIN)/python -c "import llama_cpp.llama_cpp as l; print('llama.cpp:', l.llama_print_system_info().decode())"
 	touch $(LLAMA_STAMP)
 
