@@ -5,6 +5,7 @@ install fails here, it does not skip."""
 
 from __future__ import annotations
 
+import json
 import struct
 
 import pytest
@@ -349,3 +350,37 @@ def test_a_transformers_folder_is_converted_quantized_and_cached_for_llama_cpp(t
     again = load_model(str(folder), backend="llama.cpp", quantize="q4_k_m")
     assert again.path == made
     assert generate(again, prompt, max_new_tokens=24, chat=True).token_ids == plain.token_ids
+
+
+def test_auto_measures_which_backend_runs_int8_faster_for_a_folder_once_and_info_says_why(tmp_path, monkeypatch,
+                                                                                          smol_torch, capsys):
+    """A hub-format model asked with quantize="int8" and backend auto: both candidates (torch's int8, llama.cpp's
+    q8_0) are loaded and timed once, the faster is loaded (and recorded with both figures), a second load reads
+    the record without timing anything, and `assistgen info` names the choice and its reason."""
+    from assistgen.backends import choice
+    from assistgen.backends.torch.loading import converted_dir
+    from assistgen.backends.torch.model import Model
+
+    folder = str(converted_dir("smollm2-135m"))  # (made by `smol_torch`)
+    monkeypatch.setenv("ASSISTGEN_CACHE", str(tmp_path))
+    model = load_model(folder, quantize="int8", calibration="later")
+    [path] = list((tmp_path / "choices").glob("*.json"))
+    record = json.loads(path.read_text())
+    faster = min(record["seconds"], key=lambda b: record["seconds"][b][0])
+    assert record["backend"] == faster and set(record["seconds"]) == {"torch", "llama.cpp"}
+    assert all(len(s) == 2 and 0 < s[0] < 1 for s in record["seconds"].values())
+    assert list((tmp_path / "gguf" / "hub").glob("*.q8_0.gguf")) and list((tmp_path / "quantized").iterdir())
+    if faster == "llama.cpp":
+        assert isinstance(model, LlamaModel) and model.path.name.endswith(".q8_0.gguf")
+    else:
+        assert isinstance(model, Model) and model.quantization == "int8"
+
+    def fail(*args, **kwargs):
+        raise AssertionError("measured again although the choice is recorded")
+
+    monkeypatch.setattr(choice, "measure", fail)
+    assert choose_backend(folder, quantize="int8") == faster
+    assert choose_backend(folder, backend="torch", quantize="int8") == "torch"
+    assert main(["info"]) == 0
+    said = capsys.readouterr().out
+    assert f"{folder} int8: {faster}: {faster} decodes" in said and "tok/s" in said

@@ -53,7 +53,8 @@ class Generation:
 def load_model(spec: str, fast_linear: bool | str = "auto", backend: str = "auto", calibration: str = "now",
                **loading):
     """Load `spec` (an embedded alias, a `.gguf` file, a local model folder or a hub id) on `backend` ("auto":
-    llama.cpp for a GGUF file on the CPU when it is installed, else torch: `backends.loader`), with that
+    llama.cpp for a GGUF file on the CPU when it is installed, or a GGUF type as `quantize`; for a folder or hub
+    id with quantize int8/int4 the faster of the two here, measured once; else torch: `backends.loader`), with that
     backend's options (torch: `dtype`, `device`, `quantize`; llama.cpp: `context`, `sequences`, `threads`, ...;
     both: `max_memory`, offloaded weights; their defaults are the backend's), then `prepare` it unless
     `fast_linear` is False (`calibration`: as `prepare` takes it)."""

@@ -3,7 +3,9 @@
 Contract: "auto" picks llama.cpp for a GGUF file (an embedded alias or a `.gguf` path) on the CPU when
 llama-cpp-python is installed and nothing only the torch backend does was asked for (`dtype`, `quantize="int8"|
 "int4"`, a GPU), and for any model when `quantize` names a GGUF type (`llamacpp.convert.GGUF_TYPES`: a
-transformers folder or hub id converted on first use); everything else loads on torch. Options that belong to
+transformers folder or hub id converted on first use). A transformers folder or hub id with `quantize="int8"|"int4"`
+goes to whichever backend runs that width faster on this CPU, measured once and recorded (`choice`); everything
+else loads on torch. Options that belong to
 one backend are refused on the other with a message naming the fix, never ignored: `dtype` and `device` are the
 torch backend's; `context`, `sequences`, `threads`, `repack`, `flash_attention` and `exact_prompts`
 (`LlamaSettings`) are llama.cpp's. `max_memory` (a memory budget, `backends.budget`: offloaded weights) and
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+from assistgen.backends import choice
 from assistgen.backends.embedded import EMBEDDED, ModelLoadError
 from assistgen.backends.llamacpp import loading as llama_loading
 from assistgen.backends.llamacpp.convert import is_gguf_type
@@ -27,13 +30,15 @@ SHARED = set(TORCH_OPTIONS) & set(LLAMA_OPTIONS)
 
 
 def choose_backend(spec: str, backend: str = "auto", **options) -> str:
-    """The backend `load` would use for `spec` with these options."""
+    """The backend `load` would use for `spec` with these options (a measured case is measured here, once)."""
     if backend not in BACKENDS:
         raise ModelLoadError(f"Unknown backend {backend!r}: use one of {', '.join(BACKENDS)}.")
     if backend != "auto":
         return backend
     if any(options.get(k) is not None for k in LLAMA_OPTIONS if k not in SHARED):
         return "llama.cpp"
+    if isinstance(spec, str) and choice.is_measured_case(spec, options, llama_loading.available()):
+        return choice.measured_backend(spec, options["quantize"], options)
     gguf = isinstance(spec, str) and (spec.strip() in EMBEDDED or spec.strip().endswith(".gguf"))
     quantize = options.get("quantize")
     torch_only = options.get("dtype") is not None or (quantize is not None and not is_gguf_type(quantize)) or \
@@ -50,6 +55,8 @@ def load(spec: str, backend: str = "auto", **options):
                              f"{', '.join(TORCH_OPTIONS)}; the llama.cpp backend takes {', '.join(LLAMA_OPTIONS)}.")
     chosen = choose_backend(spec, backend, **options)
     given = {k: v for k, v in options.items() if v is not None}
+    if chosen == "llama.cpp" and backend == "auto" and choice.is_measured_case(spec, given, True):
+        given["quantize"] = choice.TWINS[given["quantize"].lower()]  # the width asked, in llama.cpp's type
     if chosen == "llama.cpp":
         wrong = [k for k in given if k in TORCH_OPTIONS and k not in SHARED
                  and not (k == "device" and str(given[k]) == "cpu")]

@@ -62,6 +62,7 @@ def cache_contents(root: Path) -> list[dict]:
 def collect() -> dict:
     import torch
 
+    from assistgen.backends.choice import recorded
     from assistgen.backends.llamacpp.loading import library_report
 
     root = cache_root()
@@ -78,6 +79,7 @@ def collect() -> dict:
         "cpu": {"name": cpu_name(), "machine": platform.machine(), "cores": os.cpu_count(), "usable": threads,
                 "flags": cpu_flags()},
         "cache": {"root": str(root), "bytes": loose + sum(f["bytes"] for f in folders), "folders": folders},
+        "choices": recorded(),
     }
 
 
@@ -109,6 +111,14 @@ def report(info: dict) -> str:
     cpu = info["cpu"]
     lines += ["", f"cpu: {cpu['name']} ({cpu['machine']}), {cpu['usable']} of {cpu['cores']} cores usable",
               f"  features: {' '.join(cpu['flags']) or 'none reported'}"]
+    measured = "the faster on this CPU, measured once per model" if llama["available"] else \
+        "torch (llama.cpp is not installed)"
+    lines += ["", "backend auto, for a transformers folder or hub id:",
+              "  --quantize q4_k_m, q8_0 (a GGUF type): llama.cpp, converted on first use",
+              f"  --quantize int8, int4: {measured}",
+              "  no --quantize: torch, on the model's own weights"]
+    for c in info.get("choices", []):
+        lines.append(f"  {c['spec']} {c['quantize']}: {c['backend']}: {c['reason']} (measured {c['measured']})")
     cache = info["cache"]
     lines += ["", f"cache: {cache['root']} ({human_size(cache['bytes'])}; ASSISTGEN_CACHE moves it)"]
     for folder in cache["folders"]:
