@@ -2,7 +2,7 @@
 
 Contract: a transformers folder or hub id asked with `quantize="int8"|"int4"` and `backend="auto"` on the CPU
 (llama.cpp installed, no option only one backend takes) is a *measured case* (`is_measured_case`). For it,
-`measured_backend(spec, quantize, options)` returns "torch" or "llama.cpp": the choice recorded for this model
+`measured_backend(spec, quantize, options, load)` returns "torch" or "llama.cpp": the choice recorded for this model
 (the folder's fingerprint), scheme, processor and thread count, or, where none is, both candidates loaded and
 timed through the seam (`measure.step_times`: one decode pass and one verification of `VERIFY_ROWS - 1` drafts
 after the same random context, best of rounds): the torch backend's own int8/int4 weights, optimized as
@@ -20,6 +20,7 @@ import gc
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from assistgen.backends.machine import cpu_name
@@ -63,17 +64,18 @@ def record_path(spec: str, quantize: str) -> Path:
     return measurement_file("choices", key, f"{fingerprint(folder)}-{machine}")
 
 
-def measured_backend(spec: str, quantize: str, options: dict) -> str:
-    """The faster backend for `spec` at `quantize` on this machine: recorded, else measured now and recorded."""
+def measured_backend(spec: str, quantize: str, options: dict, load: Callable) -> str:
+    """The faster backend for `spec` at `quantize` on this machine: recorded, else measured now and recorded;
+    `load(spec, backend, **options)` loads a candidate (`loader.load`, given so that this module needs no loader)."""
     path = record_path(spec, quantize)
     record = recalled(path, ("backend", "seconds"))
     if record is None:
-        record = measure(spec, quantize.lower(), options)
+        record = measure(spec, quantize.lower(), options, load)
         remember(path, record)
     return record["backend"]
 
 
-def measure(spec: str, quantize: str, options: dict) -> dict:
+def measure(spec: str, quantize: str, options: dict, load: Callable) -> dict:
     """Both candidates loaded in turn and timed; the record of the comparison."""
     from assistgen.backends.embedded import say
 
@@ -81,8 +83,8 @@ def measure(spec: str, quantize: str, options: dict) -> dict:
         f"weights against llama.cpp's {TWINS[quantize]} on this CPU (once; the choice is kept in "
         f"{cache_root() / 'choices'}).")
     shared = {k: v for k, v in options.items() if k == "max_memory" and v is not None}
-    seconds = {"torch": timed("torch", spec, {**shared, "quantize": quantize}),
-               "llama.cpp": timed("llama.cpp", spec, {**shared, "quantize": TWINS[quantize]})}
+    seconds = {"torch": timed(load, "torch", spec, {**shared, "quantize": quantize}),
+               "llama.cpp": timed(load, "llama.cpp", spec, {**shared, "quantize": TWINS[quantize]})}
     backend = min(seconds, key=lambda b: seconds[b][0])
     other = "torch" if backend == "llama.cpp" else "llama.cpp"
     speedup = seconds[other][0] / seconds[backend][0]
@@ -95,9 +97,8 @@ def measure(spec: str, quantize: str, options: dict) -> dict:
             "measured": datetime.datetime.now().isoformat(timespec="seconds")}
 
 
-def timed(backend: str, spec: str, options: dict) -> list[float]:
+def timed(load: Callable, backend: str, spec: str, options: dict) -> list[float]:
     """Seconds of one pass over 1 and over VERIFY_ROWS new tokens of `spec` on `backend`, optimized as served."""
-    from assistgen.backends.loader import load
     from assistgen.backends.measure import step_times
 
     model = load(spec, backend, **options)

@@ -38,7 +38,7 @@ def choose_backend(spec: str, backend: str = "auto", **options) -> str:
     if any(options.get(k) is not None for k in LLAMA_OPTIONS if k not in SHARED):
         return "llama.cpp"
     if isinstance(spec, str) and choice.is_measured_case(spec, options, llama_loading.available()):
-        return choice.measured_backend(spec, options["quantize"], options)
+        return choice.measured_backend(spec, options["quantize"], options, load)
     gguf = isinstance(spec, str) and (spec.strip() in EMBEDDED or spec.strip().endswith(".gguf"))
     quantize = options.get("quantize")
     torch_only = options.get("dtype") is not None or (quantize is not None and not is_gguf_type(quantize)) or \

@@ -20,6 +20,7 @@ proposed token is measured online by the adaptive schedule, not here.
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections.abc import Callable, Generator
@@ -229,15 +230,25 @@ class Calibration:
     `advance()` times one pass and says whether more remain; after the last the record is saved and becomes
     `model.costs`, and the calibration leaves `pending()`. `interrupt()` drops the stage half done (closing its
     generator frees its caches, so the model's sequences can serve), to be timed again from that stage's start.
-    `abandon()` gives up: the provisional costs stay."""
+    `abandon()` gives up: the provisional costs stay. One thread advances it at a time (a call while another
+    thread times a pass returns at once)."""
 
     def __init__(self, model, path: Path | None):
         self.model, self.path = model, path
         self.stages = measurement_stages(model)
         self.results: list = []
         self.current: Generator | None = None
+        self.lock = threading.Lock()  # one thread times a pass at a time (engines of several servers may share a model)
 
     def advance(self) -> bool:
+        if not self.lock.acquire(blocking=False):
+            return True  # another thread is timing a pass of it
+        try:
+            return self._advance()
+        finally:
+            self.lock.release()
+
+    def _advance(self) -> bool:
         if self.current is None:
             self.current = self.stages[len(self.results)]()
         try:
@@ -255,12 +266,17 @@ class Calibration:
         return False
 
     def interrupt(self) -> None:
+        with self.lock:
+            self._interrupt()
+
+    def _interrupt(self) -> None:
         if self.current is not None:
             self.current.close()
             self.current = None
 
     def abandon(self) -> None:
-        self.interrupt()
+        with self.lock:
+            self._interrupt()
         _PENDING.pop(self.model, None)
 
 
