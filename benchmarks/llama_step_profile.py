@@ -30,9 +30,9 @@ def main() -> None:
     inside: list[float] = []
     decode = model._decode
 
-    def timed(feeds):
+    def timed(feeds, *args, **kwargs):
         start = time.perf_counter()
-        out = decode(feeds)
+        out = decode(feeds, *args, **kwargs)
         inside.append(time.perf_counter() - start)
         return out
 
