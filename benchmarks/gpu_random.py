@@ -42,7 +42,7 @@ from assistgen.backends.torch.model import Model
 from assistgen.backends.torch.reference import hf_generate
 from assistgen.config import GenerationConfig
 from assistgen.policy.gain import best_draft_length
-from assistgen.policy.schedules import Constant
+from assistgen.policy.rules import Constant
 from assistgen.serving.batching import BatchEngine, EngineSettings
 
 SIZES = {  # Qwen2.5's published configurations (the Coder models share them)

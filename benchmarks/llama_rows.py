@@ -21,7 +21,7 @@ from assistgen import generate, load_model
 from assistgen.api import encode_prompt
 from assistgen.bench.dataset import default_suite, read_prompts, select
 from assistgen.core.exactness import first_divergence
-from assistgen.policy.schedules import Constant
+from assistgen.policy.rules import Constant
 
 SETTINGS = {"repack": {"repack": True}, "norepack": {"repack": False}}
 

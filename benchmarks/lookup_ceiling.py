@@ -26,11 +26,13 @@ from collections import defaultdict
 from assistgen import load_model
 from assistgen.api import encode_prompt
 from assistgen.bench.dataset import default_suite, read_prompts
-from assistgen.drafters.base import Draft
 from assistgen.drafters.lookup import lookup_continuation
+from assistgen.policy.adaptive import Adaptive
 from assistgen.policy.costs import pass_costs
 from assistgen.policy.gain import MAX_K, step_cost
-from assistgen.policy.schedules import Adaptive, StepOutcome, verified_lengths
+from assistgen.policy.lengths import verified_lengths
+from assistgen.spec.drafts import Draft
+from assistgen.spec.steps import StepOutcome
 
 
 def accepted_lengths(prompt: list[int], output: list[int], max_k: int = MAX_K) -> list[int]:

@@ -26,7 +26,7 @@ from assistgen.backends.torch.model import Model
 from assistgen.backends.torch.reference import hf_generate
 from assistgen.backends.torch.transforms import untransformed
 from assistgen.core.exactness import first_divergence
-from assistgen.policy.schedules import verified_lengths
+from assistgen.policy.lengths import verified_lengths
 
 CHARS = string.ascii_letters + string.digits + " .,;:!?'\"-\n()"
 SPECIALS = ["<bos>", "<eos>", "<pad>"]

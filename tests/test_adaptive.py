@@ -26,9 +26,11 @@ from assistgen import (
     UniversalDrafter,
     generate,
 )
+from assistgen.policy.acceptance import Acceptance
+from assistgen.policy.adaptive import AdaptiveRun
 from assistgen.policy.costs import pass_costs
 from assistgen.policy.gain import MAX_K, best_lookahead, expected_gain, expected_tokens, finishing_pays
-from assistgen.policy.schedules import Acceptance, AdaptiveRun, StepOutcome
+from assistgen.spec.steps import StepOutcome
 
 FLAT = [1.0] * 17  # verification as cheap as one token (the GPU picture)
 LINEAR = [1.0 + k for k in range(17)]  # every verified token costs a full step (no batching gain)
@@ -410,8 +412,8 @@ def test_passes_slower_than_measured_flatten_the_curve_and_lengthen_the_drafts()
     longer. Passes at the measured speed leave the measured curve as it is."""
     from types import SimpleNamespace
 
-    from assistgen.drafters.base import Draft
     from assistgen.policy.costs import PassCosts
+    from assistgen.spec.drafts import Draft
 
     seconds = [0.1 * (1 + 0.75 * k) for k in range(17)]
     record = {"step_seconds": seconds, "verification_costs": [t / seconds[0] for t in seconds], "wide_rows": [],
@@ -450,8 +452,8 @@ def test_an_offloaded_target_prices_a_resident_assistant_by_measured_step_times(
     bytes' share, and with it the assistant drafts from the first step. Without offloading the bytes' share stays."""
     from types import SimpleNamespace
 
+    from assistgen.policy.adaptive import cost_hint
     from assistgen.policy.costs import PassCosts
-    from assistgen.policy.schedules import cost_hint
 
     def measured(t1: float, slope: float) -> PassCosts:
         seconds = [t1 * (1 + slope * k) for k in range(17)]
@@ -475,8 +477,8 @@ def test_passes_that_also_cost_more_per_row_than_measured_are_not_priced_as_free
     (1.06). Lookup's drafts are right 10 % of the time: once the steps show that, long drafts are not verified."""
     from types import SimpleNamespace
 
-    from assistgen.drafters.base import Draft
     from assistgen.policy.costs import PassCosts
+    from assistgen.spec.drafts import Draft
 
     curve = [1.0 + 0.125 * k for k in range(17)]  # t(17) = 3 t(1), as measured in memory
     seconds = [0.029 * v for v in curve]

@@ -12,9 +12,9 @@ import pytest
 from helpers import encode, hf_greedy, tiny_llama
 
 from assistgen import Adaptive, generate
+from assistgen.policy.alternatives import StepPlan
 from assistgen.policy.costs import PassCosts
 from assistgen.policy.gain import alternative_gain, merged_reach, reach
-from assistgen.policy.schedules import StepPlan
 
 FLAT = Adaptive(curve=[1.0 + 0.02 * k for k in range(17)], drafter_cost_prior=0.01)  # streamed weights
 STEEP = Adaptive(curve=[1.0 + 0.6 * k for k in range(17)], drafter_cost_prior=0.01)  # a CPU without a cap

@@ -15,8 +15,8 @@ from assistgen.config import GenerationConfig
 from assistgen.core.engine import begin, step, stream
 from assistgen.drafters.base import NoDrafter
 from assistgen.drafters.lookup import PromptLookupDrafter
+from assistgen.policy.adaptive import Adaptive
 from assistgen.policy.gain import expected_tokens, lookahead
-from assistgen.policy.schedules import Adaptive
 from assistgen.serving.batching import BatchEngine, EngineSettings, QueueFull
 
 ARCHS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "gemma3": tiny_gemma3}

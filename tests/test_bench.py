@@ -9,8 +9,10 @@ from helpers import tiny_llama
 
 from assistgen.bench.dataset import DatasetError, Prompt, read_prompts, select
 from assistgen.bench.report import aggregate, ceilings, oracle_bound, theoretical_speedup
-from assistgen.bench.runner import Runner, parse_method, run_bench
+from assistgen.bench.runner import Runner, run_bench
+from assistgen.cli.bench import parse_method
 from assistgen.cli.main import main
+from assistgen.policy.rules import Constant
 
 
 def write_jsonl(path, records):
@@ -114,7 +116,7 @@ def test_ceilings_take_the_best_lookahead_on_the_curve():
 
 
 def test_method_parsing():
-    assert parse_method("lookup@constant:4").schedule == "constant:4"
+    assert parse_method("lookup@constant:4").schedule == Constant(k=4)
     assert parse_method("hf-assistant").engine == "hf"
     assert parse_method("lookup+ngram+assistant@adaptive").sources == ["lookup", "ngram", "assistant"]
     assert parse_method("early-exit").sources == ["early-exit"] and parse_method("plain").sources == []

@@ -23,7 +23,8 @@ from assistgen.config import GenerationConfig
 from assistgen.core.engine import begin, step
 from assistgen.core.sampling import Sampler, verify_speculative
 from assistgen.drafters.lookup import PromptLookupDrafter
-from assistgen.policy.schedules import Adaptive, Constant
+from assistgen.policy.adaptive import Adaptive
+from assistgen.policy.rules import Constant
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu.sh)")
 

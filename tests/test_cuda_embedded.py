@@ -19,7 +19,7 @@ from assistgen.backends.torch.devices import model_device
 from assistgen.backends.torch.timing import machine
 from assistgen.backends.torch.transforms import is_applied
 from assistgen.drafters.early_exit import EarlyExitDrafter, default_calibration_ids
-from assistgen.policy.schedules import Constant, Heuristic
+from assistgen.policy.rules import Constant, Heuristic
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu.sh)")
 

@@ -23,11 +23,12 @@ from assistgen.backends.torch.transforms import (
     tune_routes,
 )
 from assistgen.bench.dataset import Prompt
-from assistgen.bench.runner import Runner, parse_method, run_bench
+from assistgen.bench.runner import Runner, run_bench
+from assistgen.cli.bench import parse_method
 from assistgen.cli.main import main
 from assistgen.config import GenerationConfig
-from assistgen.core.sampling import Sampler
 from assistgen.drafters.assistant import fit_vocab
+from assistgen.spec.sampling import Sampler
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 

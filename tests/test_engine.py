@@ -11,7 +11,7 @@ from helpers import TOKENIZER, encode, hf_greedy, tiny_gemma3, tiny_gpt2, tiny_l
 from assistgen import Constant, Draft, Heuristic, confidence, generate, stream
 from assistgen.backends.torch.cache import KVCache
 from assistgen.core.text import TextStream
-from assistgen.policy.schedules import StepOutcome
+from assistgen.spec.steps import StepOutcome
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2, tiny_gemma3])

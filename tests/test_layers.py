@@ -4,10 +4,13 @@ Every import in the package's source is read (module-level and function-local al
 still ties the two modules together), without importing anything. Layers, lowest first:
     0  config, stats, paths              plain settings, counters and file locations
     1  backends                          the seam (`backends/base.py`) and what computes logits
-    2  core, drafters, policy            the loop, what drafts, how much to draft and verify
-    3  api                               the public surface
-    4  serving, bench                    the server and the benchmark library
-    5  cli, __init__                     the commands, and the package's exports
+    2  spec                              the loop's vocabulary: drafts, the drafter and schedule protocols, the sampler
+    3  policy                            how much to draft and verify
+    4  drafters                          what drafts (early exit sizes its draft with the policy's optimizer)
+    5  core                              the loop
+    6  api                               the public surface
+    7  serving, bench                    the server and the benchmark library
+    8  cli, __init__                     the commands, and the package's exports
 A module may import its own layer and those below; above the backends nothing touches a model's
 PyTorch modules (`torch.nn`, transformers' model classes, the `.hf` attribute of the torch backend's
 `Model`).
@@ -21,8 +24,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "assistgen"
-LAYERS = {"config": 0, "stats": 0, "paths": 0, "backends": 1, "core": 2, "drafters": 2, "policy": 2, "api": 3,
-          "serving": 4, "bench": 4, "cli": 5, "__init__": 5}
+LAYERS = {"config": 0, "stats": 0, "paths": 0, "backends": 1, "spec": 2, "policy": 3, "drafters": 4, "core": 5,
+          "api": 6, "serving": 7, "bench": 7, "cli": 8, "__init__": 8}
 MODEL_MODULES = ("torch.nn", "transformers", "llama_cpp")  # what only the backends may import
 
 

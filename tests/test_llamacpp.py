@@ -20,7 +20,7 @@ from assistgen.backends.loader import choose_backend
 from assistgen.cli.main import main
 from assistgen.config import GenerationConfig
 from assistgen.core.exactness import first_divergence
-from assistgen.policy.schedules import Constant
+from assistgen.policy.rules import Constant
 from assistgen.serving.batching import BatchEngine
 
 pytestmark = pytest.mark.integration

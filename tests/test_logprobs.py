@@ -15,7 +15,7 @@ from mixed_tokenizers import byte_bpe, sentencepiece_bpe, tiny_model
 from assistgen import Constant, EarlyExitDrafter, NGramCache, generate, stream
 from assistgen.config import ConfigError, GenerationConfig
 from assistgen.core.logprobs import FLOOR
-from assistgen.core.sampling import Sampler
+from assistgen.spec.sampling import Sampler
 
 PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat sat on the"
 N = 24

@@ -16,7 +16,7 @@ from assistgen.cli.main import main
 from assistgen.core.exactness import first_divergence
 from assistgen.drafters.assistant import check_same_tokenizer
 from assistgen.drafters.lookup import PromptLookupDrafter
-from assistgen.policy.schedules import Constant, Heuristic
+from assistgen.policy.rules import Constant, Heuristic
 
 pytestmark = pytest.mark.integration
 

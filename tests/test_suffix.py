@@ -11,7 +11,7 @@ from helpers import encode, tiny_llama
 from assistgen import ConfigError, generate
 from assistgen.drafters.lookup import lookup_continuation
 from assistgen.drafters.suffix import SEPARATOR, SuffixDrafter, SuffixHistory, history_for, suffix_continuation
-from assistgen.policy.schedules import Constant
+from assistgen.policy.rules import Constant
 
 NONE = np.zeros(0, dtype=np.int64)
 

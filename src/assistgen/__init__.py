@@ -6,12 +6,14 @@ from assistgen.backends.torch.model import Model
 from assistgen.config import ConfigError, GenerationConfig, Structure
 from assistgen.core.prefix import PrefixCache
 from assistgen.drafters.assistant import AssistantDrafter, TokenizerMismatchError
-from assistgen.drafters.base import CompositeDrafter, Draft, Drafter, NoDrafter
+from assistgen.drafters.base import CompositeDrafter, NoDrafter
 from assistgen.drafters.early_exit import EarlyExitDrafter
 from assistgen.drafters.lookup import PromptLookupDrafter
 from assistgen.drafters.ngram import NGramCache, NGramCacheDrafter
 from assistgen.drafters.universal import UniversalDrafter
-from assistgen.policy.schedules import Adaptive, Constant, Heuristic, confidence
+from assistgen.policy.adaptive import Adaptive
+from assistgen.policy.rules import Constant, Heuristic, confidence
+from assistgen.spec.drafts import Draft, Drafter
 from assistgen.stats import Stats
 
 __all__ = [

@@ -28,14 +28,16 @@ from assistgen.core.logprobs import TokenLogprob
 from assistgen.core.prefix import PrefixCache, check_capacity, default_capacity
 from assistgen.core.tools import call_syntax
 from assistgen.drafters.assistant import AssistantDrafter, same_tokenizer
-from assistgen.drafters.base import CompositeDrafter, Drafter, NoDrafter
+from assistgen.drafters.base import CompositeDrafter, NoDrafter
 from assistgen.drafters.early_exit import EarlyExitDrafter
 from assistgen.drafters.lookup import PromptLookupDrafter
 from assistgen.drafters.ngram import NGramCache, NGramCacheDrafter, cache_for, shared_cache
 from assistgen.drafters.suffix import SuffixDrafter, SuffixHistory, history_for
 from assistgen.drafters.universal import UniversalDrafter
+from assistgen.policy.adaptive import Adaptive
 from assistgen.policy.costs import calibrate
-from assistgen.policy.schedules import Adaptive, Schedule, parse_schedule
+from assistgen.spec.drafts import Drafter
+from assistgen.spec.steps import Schedule
 from assistgen.stats import Stats
 
 
@@ -216,7 +218,7 @@ def model_drafter(target: LanguageModel, assistant: LanguageModel | str | Drafte
             raise ConfigError(f"The drafter {type(assistant).__name__} lacks {', '.join(missing)}: a drafter "
                               "implements propose, name, context_length, model (None without one) and "
                               "acceptance_prior (None without one), and observe, finish and report, which "
-                              "subclassing assistgen.Drafter gives it (drafters/base.py).")
+                              "subclassing assistgen.Drafter gives it (spec/drafts.py).")
         return assistant
     assistant = as_model(assistant)
     if same_tokenizer(target, assistant):
@@ -290,16 +292,14 @@ def json_schema_structure(schema) -> Structure:
 
 
 def as_schedule(schedule) -> Schedule:
-    """A schedule object (settings; each generation gets its own run from `prepare`), or one parsed from its
-    CLI form ('constant:4', 'adaptive', ...)."""
+    """A schedule object (settings; each generation gets its own run from `prepare`)."""
     if isinstance(schedule, str):
-        try:
-            return parse_schedule(schedule)
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
+        raise ConfigError(f"schedule={schedule!r} is the command line's form (--schedule); in Python give a schedule "
+                          "object: assistgen.Adaptive(max_k=...), Constant(k=...), Heuristic() or confidence(k, "
+                          "threshold) (assistgen.cli.schedule.parse_schedule turns the text into one).")
     if not callable(getattr(schedule, "prepare", None)):
-        raise ConfigError(f"schedule must be a schedule object (assistgen.policy.schedules) or a string such as "
-                          f"'constant:4' or 'adaptive', got {type(schedule).__name__}.")
+        raise ConfigError(f"schedule must be a schedule object (assistgen.Adaptive, Constant, Heuristic or "
+                          f"confidence(...)), got {type(schedule).__name__}.")
     return schedule
 
 

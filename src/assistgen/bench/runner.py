@@ -1,6 +1,7 @@
 """Running benchmark methods interleaved per prompt, with resumable results.
 
-Contract: a method is `plain`, or drafting sources joined by `+` (tried in that order): `lookup`,
+Contract: a method (`Method`, parsed from its text by `cli.bench.parse_method`) is `plain`, or drafting sources
+joined by `+` (tried in that order): `lookup`,
 `ngram` (the cross-request n-gram cache), `assistant`, `early-exit` (assistgen, optionally
 `@schedule`, e.g. `lookup@constant:4`, `lookup+assistant`; the default schedule is the adaptive
 policy), or `hf-plain`, `hf-lookup`, `hf-assistant` (transformers' `generate()` on the
@@ -34,7 +35,7 @@ from assistgen.bench.dataset import Prompt
 from assistgen.config import Structure
 from assistgen.drafters.assistant import same_tokenizer
 from assistgen.drafters.ngram import NGramCache
-from assistgen.policy.schedules import parse_schedule
+from assistgen.spec.steps import Schedule
 
 SOURCES = ("lookup", "ngram", "assistant", "early-exit")
 HF_METHODS = ("plain", "lookup", "assistant")
@@ -46,7 +47,7 @@ class Method:
     spec: str
     engine: str  # "assistgen" or "hf"
     drafter: str  # plain, or sources joined by "+": lookup, ngram, assistant, early-exit
-    schedule: str | None = None
+    schedule: Schedule | None = None  # the `@schedule` of its spec (`cli.bench.parse_method`); None: the default
 
     @property
     def sources(self) -> list[str]:
@@ -55,27 +56,6 @@ class Method:
     @property
     def needs_assistant(self) -> bool:
         return "assistant" in self.sources
-
-
-def parse_method(spec: str) -> Method:
-    name, _, schedule = spec.strip().partition("@")
-    engine = "hf" if name.startswith("hf-") else "assistgen"
-    drafter = name[3:] if engine == "hf" else name
-    sources = drafter.split("+")
-    known = HF_METHODS if engine == "hf" else ("plain",) if drafter == "plain" else SOURCES
-    repeated = len(set(sources)) < len(sources)
-    if any(s not in known for s in sources) or (engine == "hf" and len(sources) > 1) or repeated:
-        raise ValueError(f"Unknown method {spec!r}: use plain, or sources joined by '+' from "
-                         f"{', '.join(SOURCES)} (optionally @schedule), or hf-plain, hf-lookup, hf-assistant.")
-    if "assistant" in sources and "early-exit" in sources:
-        raise ValueError(f"{spec!r}: one model drafter at a time (assistant or early-exit).")
-    if schedule:
-        if engine == "hf":
-            raise ValueError(f"{spec!r}: transformers' methods take no schedule.")
-        if drafter == "plain":
-            raise ValueError(f"{spec!r}: plain decoding drafts nothing, so it takes no schedule.")
-        parse_schedule(schedule)  # validate now, not halfway through a run
-    return Method(spec.strip(), engine, drafter, schedule or None)
 
 
 @dataclass
@@ -139,8 +119,8 @@ class Runner:
                   "assistant": self.assistant if "assistant" in method.sources else None,
                   "early_exit": "early-exit" in method.sources,
                   "ngram_cache": self.ngram_cache.copy() if "ngram" in method.sources else False}
-        if method.schedule:
-            kwargs["schedule"] = parse_schedule(method.schedule)
+        if method.schedule is not None:
+            kwargs["schedule"] = method.schedule
         if schema is not None:
             kwargs["structure"] = Structure("json_schema", schema)
         start = self.target.clock()
@@ -241,7 +221,7 @@ class NGramTeacher:
         self.runner, self.prompts, self.records, self.taught = runner, prompts, records, set()
 
     def before(self, prompt: Prompt) -> None:
-        plain = parse_method("plain")
+        plain = Method("plain", "assistgen", "plain")
         for earlier in self.prompts[: self.prompts.index(prompt)]:
             record = self.records.get(self.runner.key(earlier, plain, 0.0))
             if earlier.question_id not in self.taught and record is not None:

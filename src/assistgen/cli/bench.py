@@ -15,8 +15,9 @@ from pathlib import Path
 from assistgen.api import load_model
 from assistgen.bench.dataset import default_suite, extraction_suite, read_prompts, select
 from assistgen.bench.report import aggregate, format_table, plot
-from assistgen.bench.runner import Runner, parse_method, run_bench, terminal_progress
+from assistgen.bench.runner import HF_METHODS, SOURCES, Method, Runner, run_bench, terminal_progress
 from assistgen.cli.options import add_placement, load_target_and_assistant, placement, structure_from
+from assistgen.cli.schedule import parse_schedule
 from assistgen.policy.costs import pass_costs
 
 
@@ -47,6 +48,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                       "methods run the unquantized ones, loaded beside them")
     p.add_argument("--repeats", type=int, default=1, help="run every prompt and method this many times (interleaved)")
     add_placement(p)
+
+
+def parse_method(spec: str) -> Method:
+    """A benchmark method from its text: NAME[@SCHEDULE] (the schedule in `--schedule`'s form)."""
+    name, _, schedule = spec.strip().partition("@")
+    engine = "hf" if name.startswith("hf-") else "assistgen"
+    drafter = name[3:] if engine == "hf" else name
+    sources = drafter.split("+")
+    known = HF_METHODS if engine == "hf" else ("plain",) if drafter == "plain" else SOURCES
+    repeated = len(set(sources)) < len(sources)
+    if any(s not in known for s in sources) or (engine == "hf" and len(sources) > 1) or repeated:
+        raise ValueError(f"Unknown method {spec!r}: use plain, or sources joined by '+' from "
+                         f"{', '.join(SOURCES)} (optionally @schedule), or hf-plain, hf-lookup, hf-assistant.")
+    if "assistant" in sources and "early-exit" in sources:
+        raise ValueError(f"{spec!r}: one model drafter at a time (assistant or early-exit).")
+    if schedule:
+        if engine == "hf":
+            raise ValueError(f"{spec!r}: transformers' methods take no schedule.")
+        if drafter == "plain":
+            raise ValueError(f"{spec!r}: plain decoding drafts nothing, so it takes no schedule.")
+    return Method(spec.strip(), engine, drafter, parse_schedule(schedule) if schedule else None)
 
 
 def methods_from(args: argparse.Namespace) -> list:

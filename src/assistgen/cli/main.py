@@ -23,8 +23,8 @@ from assistgen.cli.options import (
     loading,
     settings_from,
 )
+from assistgen.cli.schedule import parse_schedule
 from assistgen.config import ConfigError
-from assistgen.policy.schedules import parse_schedule
 
 
 def schedule_argument(text: str):

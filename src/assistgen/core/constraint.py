@@ -15,7 +15,7 @@ stands after the tokens emitted so far. Each step the loop calls:
     advance(tokens)          the tokens the step emitted (all drawn from masked rows, so always allowed);
     jump_forward()           tokens of the continuation the grammar forces from its state (e.g. the next key
                              of a JSON object and its quotes), in llguidance's canonical tokenization, which
-                             the model's own may differ from: `drafters.grammar` proposes them as a draft.
+                             the model's own may differ from: `core.grammar` proposes them as a draft.
 A draft token is allowed exactly when its bit is set in the mask of its row: the same rows mask the target, so a
 forbidden draft token has target probability 0 after masking and cutting the draft there loses nothing when the
 loop treats it as a rejection at that position (`engine.constrain`). The grammar allows the generation's EOS

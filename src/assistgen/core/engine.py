@@ -19,10 +19,11 @@ target only through `backends.base` (cache verbs and clock, vocabulary, EOS, con
 knows which library computes the logits. Under a grammar (`config.structure`, `constraint.py`) the loop masks
 the target's rows at every verified position, cuts a draft at the first token the grammar forbids (judged as a
 rejection there: `constrain`), and, when it speculates, asks the grammar's own drafter first
-(`drafters.grammar`: the continuation the grammar forces). With `config.logprobs` each chunk carries its tokens'
+(`core.grammar`: the continuation the grammar forces). With `config.logprobs` each chunk carries its tokens'
 log-probabilities, read from the same rows (`logprobs.py`); with `config.prompt_logprobs` the prefill keeps
 every prompt row and the first chunk carries the prompt's. Where the schedule says a pass costs about the
-same for more rows (an offloaded target; `schedules.StepPlan`), a greedy generation also verifies other
+same for more rows (an offloaded target: the run's `alternatives`, `policy.alternatives`), a greedy generation also
+verifies other
 drafters' drafts in forks of its cache, in the same pass (`add_alternatives`), and keeps the tokens of the one
 accepted furthest (`keep_furthest`): still the target's own greedy ones. The forks are dropped, and the
 generation's cache is still filled in order (the kept draft's tokens are fed again in the next pass).
@@ -36,15 +37,19 @@ from dataclasses import dataclass, field
 from assistgen.backends.base import Cache, LanguageModel, shared_prefix
 from assistgen.config import ConfigError, GenerationConfig
 from assistgen.core.constraint import Constraint
+from assistgen.core.grammar import GrammarDrafter
 from assistgen.core.logprobs import TokenLogprob, token_logprobs
 from assistgen.core.prefix import PrefixCache
-from assistgen.core.sampling import Sampler, verify_greedy, verify_speculative
+from assistgen.core.sampling import verify_greedy, verify_speculative
 from assistgen.core.text import TextStream
-from assistgen.drafters.base import Draft, Drafter, Proposal, drafters_of, first_draft
-from assistgen.drafters.grammar import GrammarDrafter
+from assistgen.drafters.base import drafters_of
+from assistgen.policy.alternatives import StepPlan
 from assistgen.policy.costs import PassCosts, pass_costs
 from assistgen.policy.gain import alternative_gain, merged_reach
-from assistgen.policy.schedules import Schedule, ScheduleRun, StepOutcome, StepPlan, verified_lengths
+from assistgen.policy.lengths import verified_lengths
+from assistgen.spec.drafts import Draft, Drafter, Proposal, first_draft
+from assistgen.spec.sampling import Sampler
+from assistgen.spec.steps import Schedule, ScheduleRun, StepOutcome
 from assistgen.stats import Stats
 
 
@@ -268,29 +273,30 @@ def constrain(s: GenerationState) -> None:
 def add_alternatives(decoding: list[GenerationState], prefill_rows: int, costs: PassCosts | None) -> None:
     """Ask the drafters after the one that drafted (and those not asked) for alternative drafts, and fork each
     generation's cache for those worth verifying in this pass: as many tokens as the schedule says raise the step's
-    expected tokens per unit of time (`ScheduleRun.alternative_k` before drafting, `alternative_length` after), at
+    expected tokens per unit of time (`AlternativesRun.k` before drafting, `length` after), at
     most `Adaptive.alternatives` of them. Greedy generations without a grammar only; none when a fork cannot be made
     (the backend's sequences are all in use)."""
     for s in decoding:
         s.alternatives = []
-    if costs is None:
+    if costs is None or all(s.run.alternatives is None for s in decoding):
         return
-    bests = [s.run.reach(s.proposal.draft, s.proposal.drafter, s.verified) for s in decoding]
+    bests = [s.run.alternatives.reach(s.proposal.draft, s.proposal.drafter, s.verified)
+             if s.run.alternatives is not None else [] for s in decoding]
     # (each generation emits the target's own token and its draft's expected accepted ones)
     plan = StepPlan(costs, len(decoding) + (1 if prefill_rows else 0), len(decoding) + prefill_rows,
                     sum(s.verified for s in decoding), sum(1.0 + sum(best) for best in bests))
     for s, best in zip(decoding, bests, strict=True):
-        if s.config.greedy and s.constraint is None:
+        if s.run.alternatives is not None and s.config.greedy and s.constraint is None:
             find_alternatives(s, best, plan)
 
 
 def find_alternatives(s: GenerationState, best: list[float], plan: StepPlan) -> None:
     """`add_alternatives` for one generation; best[i-1]: the chance its own draft's accepted run reaches i tokens."""
-    verified = [s.proposal.draft.tokens[: s.verified]]
+    verified, alternatives = [s.proposal.draft.tokens[: s.verified]], s.run.alternatives
     for drafter in s.drafters:
         if drafter.name == s.proposal.drafter or drafter.name in s.proposal.empty:
             continue
-        k = s.run.alternative_k(drafter, best, plan, s.room, len(s.alternatives))
+        k = alternatives.k(drafter, best, plan, s.room, len(s.alternatives))
         if k <= 0:
             continue
         start = s.cache.clock()
@@ -299,7 +305,7 @@ def find_alternatives(s: GenerationState, best: list[float], plan: StepPlan) -> 
         s.stats.draft_forward_passes += draft.forward_passes
         s.stats.draft_s += seconds
         shared = max(shared_prefix(tokens, draft.tokens) for tokens in verified)
-        n = s.run.alternative_length(draft, drafter.name, best, shared, plan)
+        n = alternatives.length(draft, drafter.name, best, shared, plan)
         if n <= 0:
             continue
         try:
@@ -310,7 +316,7 @@ def find_alternatives(s: GenerationState, best: list[float], plan: StepPlan) -> 
         s.alternatives.append(Alternative(Proposal(draft, drafter.name, seconds, seconds, draft.forward_passes),
                                           fork))
         verified.append(draft.tokens)
-        other = s.run.reach(draft, drafter.name, n)
+        other = alternatives.reach(draft, drafter.name, n)
         plan.add(alternative_gain(best, other, shared), n)
         best = merged_reach(best, other, shared)
 
@@ -364,7 +370,7 @@ def accept(s: GenerationState, logits, verify_s: float, losers: list[StepOutcome
     s.run.update(StepOutcome(draft, s.proposal.drafter, n, accepted, token, s.proposal.seconds, verify_s,
                              len(losers), sum(o.verified for o in losers), from_alternative))
     for outcome in losers:
-        s.run.learn_alternative(outcome)
+        s.run.alternatives.learn(outcome)
     s.stats.record_step(n, accepted)
 
     new = draft.tokens[:accepted] + [token]

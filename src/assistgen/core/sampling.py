@@ -1,4 +1,4 @@
-"""Turning logits into tokens, and verifying a draft against the target.
+"""Verifying a draft against the target: the greedy rule and speculative sampling's rejection rule.
 
 Vocabulary (as in Leviathan et al. 2023 and vLLM's rejection sampler):
 - p: the target's distribution at a position, after temperature / top-k / top-p.
@@ -9,73 +9,17 @@ Vocabulary (as in Leviathan et al. 2023 and vLLM's rejection sampler):
 - bonus token: when every draft token is accepted, one more token drawn from p.
 Each verification step therefore emits accepted + 1 tokens.
 
-Contract: pure functions of tensors plus seeded `torch.Generator`s; greedy is its own explicit
-branch (argmax), never a small temperature. Draws happen on the device of the probabilities
-given (the target's, for p; q is moved there when a drafter runs elsewhere), each device with its
-own generator made on first use and seeded with the same seed, so the stream on the CPU is the
-same whatever other devices join. Nothing here knows about models or caches.
+Contract: pure functions of tensors plus the generation's `spec.sampling.Sampler` (temperature, top-k, top-p
+and the seeded generators); greedy is its own explicit branch (argmax), never a small temperature. Draws
+happen on the device of the probabilities given (the target's, for p; q is moved there when a drafter runs
+elsewhere). Nothing here knows about models or caches.
 """
 
 from __future__ import annotations
 
 import torch
 
-from assistgen.config import GenerationConfig
-
-
-class Sampler:
-    """Applies temperature, top-k and top-p and draws tokens with seeded generators (one per device)."""
-
-    def __init__(self, config: GenerationConfig):
-        self.config = config
-        self.greedy = config.greedy
-        self.generator = torch.Generator()  # the CPU's: uniforms, and draws from CPU probabilities
-        if config.seed is not None:
-            self.generator.manual_seed(config.seed)
-        else:
-            self.generator.seed()
-        self.generators = {self.generator.device: self.generator}
-
-    def generator_for(self, device: torch.device) -> torch.Generator:
-        """The generator that draws on `device`, made on first use with the CPU generator's seed."""
-        generator = self.generators.get(device)
-        if generator is None:
-            generator = torch.Generator(device=device).manual_seed(self.generator.initial_seed())
-            self.generators[device] = generator
-        return generator
-
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [n, vocab] -> processed probabilities [n, vocab] (float32)."""
-        logits = logits.float()
-        # Shifted by the row's max first (softmax does not change), and the temperature kept a float32 number: a tiny
-        # one then gives 0 at the argmax and -inf elsewhere, the distribution's limit, instead of nan (inf - inf, or
-        # 0 / 0 for a temperature that is 0 in float32).
-        temperature = max(self.config.temperature, torch.finfo(torch.float32).tiny)
-        logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
-        if self.config.top_k > 0:
-            k = min(self.config.top_k, logits.shape[-1])
-            kth = torch.topk(logits, k, dim=-1).values[..., -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if self.config.top_p < 1.0:
-            logits = top_p_filter(logits, self.config.top_p)
-        return torch.softmax(logits, dim=-1)
-
-    def draw(self, probs: torch.Tensor) -> int:
-        """probs [vocab] -> one token id, drawn on probs' device."""
-        return int(torch.multinomial(probs, 1, generator=self.generator_for(probs.device)))
-
-    def uniform(self) -> float:
-        return float(torch.rand((), generator=self.generator))
-
-
-def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of tokens whose probability reaches top_p (as transformers does). [n, vocab]"""
-    sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    remove_sorted = cumulative <= (1 - top_p)
-    remove_sorted[..., -1:] = False  # always keep the most likely token
-    remove = remove_sorted.scatter(-1, order, remove_sorted)
-    return logits.masked_fill(remove, float("-inf"))
+from assistgen.spec.sampling import Sampler, top_p_filter  # noqa: F401 - re-exported: the sampler the rules draw with
 
 
 def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> tuple[int, int]:

@@ -15,8 +15,8 @@ import weakref
 
 import torch
 
-from assistgen.core.sampling import Sampler
-from assistgen.drafters.base import Draft, Drafter
+from assistgen.spec.drafts import Draft, Drafter
+from assistgen.spec.sampling import Sampler
 
 
 class AssistantDrafter(Drafter):

@@ -18,11 +18,11 @@ from __future__ import annotations
 import weakref
 from importlib.resources import files
 
-from assistgen.core.sampling import Sampler
 from assistgen.drafters.assistant import AssistantDrafter
-from assistgen.drafters.base import Draft, Drafter
 from assistgen.policy.costs import pass_costs
 from assistgen.policy.gain import MAX_K, best_draft_length
+from assistgen.spec.drafts import Draft, Drafter
+from assistgen.spec.sampling import Sampler
 
 CALIBRATION_TOKENS = 256
 SCORED_POSITIONS = 128  # positions of the calibration text at which every exit is scored (None: all)

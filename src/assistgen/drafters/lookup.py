@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from assistgen.core.sampling import Sampler
-from assistgen.drafters.base import Draft, Drafter
+from assistgen.spec.drafts import Draft, Drafter
+from assistgen.spec.sampling import Sampler
 
 
 class PromptLookupDrafter(Drafter):

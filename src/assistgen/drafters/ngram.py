@@ -27,8 +27,8 @@ import threading
 from collections import OrderedDict
 
 from assistgen.backends.base import shared_prefix
-from assistgen.core.sampling import Sampler
-from assistgen.drafters.base import Draft, Drafter
+from assistgen.spec.drafts import Draft, Drafter
+from assistgen.spec.sampling import Sampler
 
 # Upper bounds (CPython 3.11+, 64-bit) behind memory_bound_bytes:
 TUPLE_BYTES = 64  # tuple header with GC header and allocator rounding, without items

@@ -21,8 +21,8 @@ from collections import OrderedDict, deque
 
 import numpy as np
 
-from assistgen.core.sampling import Sampler
-from assistgen.drafters.base import Draft, Drafter
+from assistgen.spec.drafts import Draft, Drafter
+from assistgen.spec.sampling import Sampler
 
 SEPARATOR = -1  # between sequences in the searched text: no match or continuation crosses it
 

@@ -1,6 +1,6 @@
 """Universal assisted generation: an assistant whose tokenizer differs from the target's.
 
-Contract: `UniversalDrafter` is a drafter like any other (see `drafters/base.py`): it proposes target
+Contract: `UniversalDrafter` is a drafter like any other (see `spec/drafts.py`): it proposes target
 token ids. Inside, it keeps the assistant's own token sequence and KV cache and translates between
 the two tokenizations through text.
 
@@ -30,8 +30,8 @@ from functools import lru_cache
 
 import torch
 
-from assistgen.core.sampling import Sampler
-from assistgen.drafters.base import Draft, Drafter
+from assistgen.spec.drafts import Draft, Drafter
+from assistgen.spec.sampling import Sampler
 
 BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 LOOK_BEHIND = 6  # target tokens re-encoded together with the draft text

@@ -33,9 +33,9 @@ from assistgen.config import ConfigError, GenerationConfig
 from assistgen.core.constraint import compile_structure
 from assistgen.core.engine import Chunk, GenerationState, begin, step
 from assistgen.core.prefix import PrefixCache, check_capacity, default_capacity
-from assistgen.drafters.base import Drafter
 from assistgen.policy.costs import Calibration, pending
-from assistgen.policy.schedules import Schedule
+from assistgen.spec.drafts import Drafter
+from assistgen.spec.steps import Schedule
 
 
 class QueueFull(RuntimeError):

@@ -56,7 +56,6 @@ from assistgen.core.tools import (
     call_syntax,
     parse_calls,
 )
-from assistgen.drafters.base import Drafter
 from assistgen.drafters.ngram import NGramCache
 from assistgen.policy.costs import costs_state
 from assistgen.serving.batching import BatchEngine, QueueFull, Request
@@ -78,6 +77,7 @@ from assistgen.serving.protocol import (
     tool_plan,
 )
 from assistgen.serving.responses import RESPONSES_REFUSED, Reply, ResponsesRequest
+from assistgen.spec.drafts import Drafter
 from assistgen.stats import Stats
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there

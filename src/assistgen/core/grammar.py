@@ -11,8 +11,8 @@ of its own. The loop puts it first, ahead of the user's drafters, whenever the o
 from __future__ import annotations
 
 from assistgen.core.constraint import Constraint
-from assistgen.core.sampling import Sampler
-from assistgen.drafters.base import Draft, Drafter
+from assistgen.spec.drafts import Draft, Drafter
+from assistgen.spec.sampling import Sampler
 
 
 class GrammarDrafter(Drafter):

@@ -1,0 +1,54 @@
+"""Acceptance estimated online: per draft position, how likely the target is to keep the token there.
+
+Contract: `Acceptance(prior, weight, size)` holds one rate per draft position (0..size-1), each starting at its
+`start` (default: `prior`) worth `prior_weight` observations, then an exponential moving average at `weight`;
+`record(verified, accepted)` learns one step (positions 0..accepted-1 kept, position `accepted` rejected when it
+was verified); `estimate()` gives the rates with never-observed positions taken from the one before (at least
+`unseen_floor`): the rates `gain.py` optimizes over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Acceptance:
+    """Per-position acceptance estimated online with an exponential moving average."""
+
+    prior: float
+    weight: float
+    size: int
+    start: list[float] | None = None  # per-position rates assumed before any observation (default: prior)
+    unseen_floor: float = 0.0  # a never-observed position is assumed at least this likely to be accepted
+    prior_weight: float = 1.0  # the starting rates count as this many observations
+    rates: list[float] = field(init=False)
+    seen: list[int] = field(init=False)
+
+    def __post_init__(self):
+        self.rates = list(self.start[: self.size]) if self.start else [self.prior] * self.size
+        self.rates += [self.rates[-1] if self.rates else self.prior] * (self.size - len(self.rates))
+        self.seen = [0] * self.size
+
+    def observe(self, position: int, accepted: bool) -> None:
+        if position >= self.size:
+            return
+        # Average the first few observations with the starting rate (worth `prior_weight` observations), then forget
+        # old ones at `weight`: one lucky draft does not set a position's rate to 1.
+        w = max(self.weight, 1.0 / (self.seen[position] + 1 + self.prior_weight))
+        self.rates[position] += w * (float(accepted) - self.rates[position])
+        self.seen[position] += 1
+
+    def record(self, verified: int, accepted: int) -> None:
+        for i in range(accepted):
+            self.observe(i, True)
+        if accepted < verified:
+            self.observe(accepted, False)
+
+    def estimate(self) -> list[float]:
+        """Rates with never-observed positions taken from the position before them (at least `unseen_floor`)."""
+        out = list(self.rates)
+        for i in range(1, len(out)):
+            if self.seen[i] == 0:
+                out[i] = max(out[i - 1], self.unseen_floor)
+        return out

@@ -1,0 +1,305 @@
+"""The cost-aware policy: the k (0 included) that maximises expected tokens per unit of time, for every drafter.
+
+Contract: `Adaptive` holds settings only (frozen; shared between generations and threads); `prepare` returns one
+generation's `AdaptiveRun`, a `spec.steps.ScheduleRun`. The run picks, before every step, the k that maximises
+E(k) / (k*c + v[k]) (`gain.py`) from online acceptance estimates (`acceptance.Acceptance`, per draft source),
+drafter costs c per token and the target's verification costs v (`costs.PassCosts`, followed online by
+`online.OnlineCosts`). It reads of a drafter only what the `Drafter` protocol declares (`name`, `model`,
+`acceptance_prior`), and of a model only what the backend seam declares (`weight_bytes`, `max_memory`, its
+measured costs). For a greedy generation on an offloaded target it carries the alternatives extension
+(`alternatives.AlternativesRun`); otherwise `alternatives` is None.
+
+Reproducibility: with sampling, the number of random draws depends on k, so k must not depend on wall-clock
+time: a sampled generation keeps every drafter's cost at its deterministic prior (the weight-bytes ratio of
+`cost_hint`, or `Adaptive.drafter_cost_prior`) and follows no pass time, and k is a function of the seed and the
+machine's cached cost curve. A greedy generation measures costs online (its output is the same whatever k is).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from assistgen.policy.acceptance import Acceptance
+from assistgen.policy.alternatives import AlternativesRun
+from assistgen.policy.costs import PassCosts, pass_costs, plain_seconds
+from assistgen.policy.gain import MAX_K, best_lookahead
+from assistgen.policy.online import OnlineCosts
+from assistgen.policy.rules import check_k
+from assistgen.spec.drafts import Draft, Drafter
+from assistgen.spec.steps import StepOutcome
+
+if TYPE_CHECKING:
+    from assistgen.backends.base import LanguageModel
+
+
+@dataclass(frozen=True)
+class Adaptive:
+    """Choose k (0 included) before every step to maximise expected tokens per unit of time.
+
+    Drafters cheaper than `free_cost` target steps per token (prompt lookup, the n-gram cache) are
+    asked for `max_k` tokens and the loop verifies the best length of the draft for its source (`rates`);
+    their unverified tokens are still checked against the token the target emits, so their estimate
+    keeps learning while speculation is off. Costlier drafters are asked for the best k directly and their
+    draft is verified whole; while that k is 0 they are probed with k = 1 now and then, spending at most
+    `probe_share` of the time, so drafting comes back when the text becomes predictable. A costly drafter
+    must first read the tokens it has not seen (at its first use, the whole prompt): it is switched on only
+    when drafting at the expected gain for the rest of the generation saves more than that catch-up costs,
+    priced from the measured cost curve (`AdaptiveRun.catch_up_pays`). For an offloaded target where verifying
+    max_k tokens costs at most `flat` plain steps, a greedy generation also verifies up to `alternatives` other
+    drafts beside its own (`alternatives.AlternativesRun`). Settings only: each generation's estimates
+    live in the `AdaptiveRun` that `prepare` returns.
+    """
+
+    max_k: int = MAX_K
+    weight: float = 0.2  # EMA weight of a new acceptance observation
+    prior: float = 0.5  # acceptance assumed before any observation
+    # For free drafters, a draft position never verified yet is assumed at least this likely to be accepted, given
+    # the ones before it (a draft that starts right tends to stay right): the policy then tries longer drafts
+    # instead of growing them one position per step (docs/benchmarks.md: chosen by replaying recorded outputs with
+    # benchmarks/lookup_ceiling.py); model drafters, whose every drafted token costs, keep the plain estimate.
+    unseen_floor: float = 0.7
+    probe_share: float = 0.01  # at most this share of time probes a drafter that is switched off
+    free_cost: float = 0.02  # drafters cheaper than this per token are trimmed after proposing
+    cost_weight: float = 0.2  # EMA weight of a new timing (drafter cost, plain-step time; greedy runs only)
+    min_confidence: float = 0.0
+    curve: list[float] | None = None  # v[k] to price steps with; None: the target's measured verification costs
+    costs: list[float] | None = None  # the former name of `curve`, still accepted
+    # c assumed for a model drafter before it is measured (and throughout a sampled generation); None: `cost_hint`
+    drafter_cost_prior: float | None = None
+    # Other drafters' drafts verified beside a sequence's own, each in a fork of its cache (greedy only), at most
+    # this many per step (0: never), for a target whose weights are offloaded (`max_memory`), and only where
+    # verifying max_k tokens costs at most `flat` plain steps. (Elsewhere a flat curve is no sign of free rows: the
+    # torch backend's forks copy the cache, which the step's price leaves out.)
+    alternatives: int = 3
+    flat: float = 2.0
+
+    def __post_init__(self):
+        check_k("max_k", self.max_k, 1)
+        if self.alternatives < 0 or self.flat < 0:
+            raise ValueError(f"need alternatives >= 0 and flat >= 0, got {self.alternatives}, {self.flat}")
+        if not 0.0 < self.weight <= 1.0 or not 0.0 <= self.prior <= 1.0 or not 0.0 <= self.unseen_floor <= 1.0:
+            raise ValueError(f"need 0 < weight <= 1 and 0 <= prior, unseen_floor <= 1, got {self.weight}, "
+                             f"{self.prior}, {self.unseen_floor}")
+        if not 0.0 < self.cost_weight <= 1.0:
+            raise ValueError(f"need 0 < cost_weight <= 1, got {self.cost_weight}")
+        if self.costs is not None:
+            if self.curve is not None:
+                raise ValueError("give the verification cost curve once: curve= (costs= is its former name)")
+            object.__setattr__(self, "curve", list(self.costs))
+            object.__setattr__(self, "costs", None)
+
+    def prepare(self, target: LanguageModel | None, drafters: list[Drafter], prompt_length: int = 0,
+                greedy: bool = True, budget: int | None = None) -> AdaptiveRun:
+        return AdaptiveRun(self, target, drafters, prompt_length, measure=greedy, budget=budget)
+
+
+class AdaptiveRun:
+    """One generation under `Adaptive` settings: acceptance estimates, drafter costs, probes.
+
+    measure: whether drafter costs follow measured time (greedy) or stay at their priors (sampling,
+    so that k, and with it the random draws, depend only on the seed).
+    """
+
+    def __init__(self, settings: Adaptive, target: LanguageModel | None, drafters: list[Drafter],
+                 prompt_length: int = 0, measure: bool = True, budget: int | None = None):
+        self.settings = settings
+        self.min_confidence = settings.min_confidence
+        self.measure = measure
+        self.acceptance: dict[str, Acceptance] = {}
+        self.drafter_cost: dict[str, float] = {}  # c per proposed token, in target steps
+        self.off_steps: dict[str, int] = {}
+        self.seen: dict[str, int] = {}  # sequence length when each drafter last drafted (it has seen that much)
+        self.length = prompt_length  # current sequence length
+        self.end = None if budget is None else prompt_length + budget  # the length at which the generation stops
+        self.probes = 0
+        self.drafted_last: set[str] = set()  # the drafters that drafted in the last step (no catch-up since)
+        self.drafted_before: set[str] = set()  # and in the step before it
+        self.timed: set[str] = set()  # drafters whose cost per token has been measured (not a prior any more)
+        self.measured: PassCosts | None = None  # None for plain decoding: nothing to choose
+        self.online: OnlineCosts | None = None  # the passes' time as they run (when measuring)
+        self.alternatives: AlternativesRun | None = None  # other drafts verified beside the sequence's own
+        if not drafters:
+            return
+        if settings.curve is not None:
+            self.measured = PassCosts.from_curve(settings.curve, like=target.costs if target is not None else None)
+        else:
+            self.measured = pass_costs(target)
+        if measure:
+            self.online = OnlineCosts(self.measured, decay=1.0 - settings.cost_weight)
+        if measure and settings.alternatives > 0 and getattr(target, "max_memory", None):  # weights streamed
+            self.alternatives = AlternativesRun(self)
+        for drafter in drafters:
+            self.drafter_cost.setdefault(drafter.name, prior_cost(drafter, target, settings.drafter_cost_prior))
+            if drafter.acceptance_prior is not None and drafter.name not in self.acceptance:  # early exit's agreement
+                self.acceptance[drafter.name] = Acceptance(float(drafter.acceptance_prior), settings.weight,
+                                                           settings.max_k + 1)
+
+    def estimate(self, source: str, drafter_name: str = "") -> Acceptance:
+        """The estimate for a draft source (e.g. "lookup:3"); a new source of a drafter that has
+        drafted before starts from that drafter's pooled estimate instead of the prior."""
+        if source not in self.acceptance:
+            s = self.settings
+            pooled = self.acceptance.get(drafter_name) if drafter_name and drafter_name != source else None
+            start = pooled.estimate() if pooled is not None else None
+            free = self.is_free(drafter_name or source)
+            self.acceptance[source] = Acceptance(s.prior, s.weight, s.max_k + 1, start,
+                                                 s.unseen_floor if free else 0.0)
+        return self.acceptance[source]
+
+    @property
+    def costs(self) -> PassCosts | None:
+        """The costs this run (and the step it is in) prices with: the measured ones, or, where the passes now also
+        take a fixed time beyond one plain step's (weights streamed from their file), those with that time in every
+        pass (`online.OnlineCosts`), so that drafting, and verifying, long pays when 1 and 17 rows cost nearly the
+        same, and a pass that also costs more per row than measured is not priced as free."""
+        if self.measured is None:
+            return None
+        return self.measured if self.online is None else self.online.costs()
+
+    @property
+    def unit_s(self) -> float | None:
+        """The time of one plain step now (None before the first timed step, and when not measuring)."""
+        return None if self.online is None else self.online.unit_s()
+
+    @property
+    def curve(self) -> tuple[float, ...]:
+        """v[k] of `costs`."""
+        return self.costs.curve
+
+    def slowdown(self) -> float:
+        """How many plain steps of the target's own speed a plain step now takes (1 unless its passes gained a fixed
+        time beyond one plain step's): a model drafter's prior cost, priced in the target's steps, is that much
+        smaller in today's steps (the time the passes gained is the target's: an assistant kept resident does not
+        pay it)."""
+        return 1.0 + (self.online.fixed() if self.online is not None else 0.0)
+
+    def is_free(self, drafter_name: str) -> bool:
+        return self.drafter_cost.get(drafter_name, 0.0) < self.settings.free_cost
+
+    def k_max(self) -> int:
+        return min(self.settings.max_k, len(self.curve) - 1)
+
+    def next_k(self, drafter: Drafter) -> int:
+        name = drafter.name
+        c = self.drafter_cost.get(name, 0.0)
+        if c < self.settings.free_cost:
+            return self.k_max()
+        if name not in self.timed:  # a prior, in plain steps as measured: the passes' extra time is not the drafter's
+            c /= self.slowdown()
+        k, gain = best_lookahead(self.estimate(name).estimate(), self.curve, c, self.k_max())
+        if k > 0 and self.catch_up_pays(name, c, gain):
+            self.off_steps[name] = 0
+            return k
+        self.off_steps[name] = self.off_steps.get(name, 0) + 1
+        if self.off_steps[name] * self.settings.probe_share >= self.probe_cost(name, c):
+            self.off_steps[name] = 0
+            self.probes += 1
+            return 1
+        return 0
+
+    def probe_cost(self, name: str, c: float) -> float:
+        """A one-token probe, in plain steps: the draft, the extra verified row, and catching up on unseen tokens."""
+        return c + self.curve[1] - 1.0 + self.catch_up_cost(name, c)
+
+    def catch_up_cost(self, name: str, c: float) -> float:
+        """What feeding a drafter the tokens it has not seen costs, in plain steps: none for one that drafted last
+        step (its measured cost per token includes that); else c per token at the per-token cost of the longest
+        step on the cost curve, v[-1] / len(v) (t(MAX_K+1) / (MAX_K+1) for a measured curve: a model catches up
+        in one batched forward pass)."""
+        if name in self.drafted_last:
+            return 0.0
+        unseen = self.length - self.seen.get(name, 0)
+        return c * unseen * self.curve[-1] / len(self.curve)
+
+    def catch_up_pays(self, name: str, c: float, gain: float) -> bool:
+        """Whether switching a drafter on is worth its catch-up: drafting at the expected `gain` for the rest of the
+        generation must save more plain steps than the catch-up costs. The prompt is the catch-up of a drafter's
+        first use, so a long prompt with few tokens to generate keeps a costly assistant off from the start."""
+        cost = self.catch_up_cost(name, c)
+        if cost == 0.0 or self.end is None:
+            return True
+        return (self.end - self.length) * (1.0 - 1.0 / gain) > cost
+
+    def rates(self, draft: Draft, drafter_name: str = "") -> list[float] | None:
+        """A free drafter's draft is verified as far as its source's estimate says pays; a costly drafter's draft,
+        asked for at its best k (or as a probe), is verified whole (None)."""
+        if not draft.tokens or not self.is_free(drafter_name):
+            return None
+        return self.estimate(draft.source or drafter_name, drafter_name).estimate()
+
+    def update(self, outcome: StepOutcome) -> None:
+        if self.measured is None:
+            return
+        self.length += outcome.accepted + 1
+        if self.alternatives is not None:
+            self.alternatives.count(outcome)
+        if outcome.drafter and outcome.draft.tokens:
+            self.learn(outcome)
+        if self.measure:
+            self.measure_step(outcome)
+        self.drafted_before = self.drafted_last
+        self.drafted_last = {outcome.drafter} if outcome.drafter and outcome.draft.tokens else set()
+
+    def learn(self, outcome: StepOutcome) -> None:
+        """Record which of the step's draft tokens were accepted (and, for free, whether the next would have been)."""
+        self.seen[outcome.drafter] = self.length
+        source = outcome.draft.source or outcome.drafter
+        estimates = [self.estimate(source, outcome.drafter)]
+        if source != outcome.drafter:
+            estimates.append(self.estimate(outcome.drafter))
+        unverified = outcome.draft.tokens[outcome.verified :]
+        for acceptance in estimates:  # the source's own, and its drafter's pooled one
+            acceptance.record(outcome.verified, outcome.accepted)
+            if outcome.accepted == outcome.verified and unverified and outcome.draft.probs is None:
+                # The target's own next token tells, for free, whether the next draft token would have been accepted
+                # (greedy: exactly; sampling: with probability p(token), the one-hot acceptance probability).
+                acceptance.observe(outcome.verified, outcome.token == unverified[0])
+
+    def measure_step(self, outcome: StepOutcome) -> None:
+        """Follow the passes' time and the drafter's cost per token from this step's timings (greedy only)."""
+        if outcome.verify_s > 0:
+            shape = (1 + outcome.alternatives, 1 + outcome.alternatives, outcome.verified + outcome.alternative_rows)
+            self.online.observe(shape, outcome.verify_s)
+        # A drafter that drafted last step too has no catch-up cost in its time.
+        if outcome.drafter and outcome.draft.tokens and outcome.drafter in self.drafted_last and self.unit_s:
+            self.time_drafter(outcome.drafter, outcome.draft_s, len(outcome.draft.tokens))
+
+    def time_drafter(self, name: str, seconds: float, tokens: int) -> None:
+        """Follow a drafter's cost per token, in plain steps, from one proposal's time."""
+        w = self.settings.cost_weight
+        c = seconds / tokens / self.unit_s
+        old = self.drafter_cost.get(name, c)
+        self.drafter_cost[name] = old + w * (c - old)
+        self.timed.add(name)
+
+    def report(self) -> dict:
+        out = {"schedule": "adaptive", "adaptive_probes": self.probes}
+        if self.alternatives is not None:
+            out.update(self.alternatives.report())
+        out["drafter_cost_per_token"] = {k: round(v, 3) for k, v in self.drafter_cost.items()}
+        out["acceptance_estimate"] = {
+            src: [round(r, 2) for r in a.estimate()[:4]] for src, a in sorted(self.acceptance.items())
+        }
+        return out
+
+
+def prior_cost(drafter: Drafter, target: LanguageModel | None, drafter_cost_prior: float | None) -> float:
+    """A drafter's cost per token before any measurement: 0 without a model (free until measured
+    otherwise), else `drafter_cost_prior` when set, else `cost_hint`. Deterministic."""
+    if drafter.model is None:
+        return 0.0
+    if drafter_cost_prior is not None:
+        return drafter_cost_prior
+    return cost_hint(drafter, target)
+
+
+def cost_hint(drafter: Drafter, target: LanguageModel) -> float:
+    """A model drafter's cost per token before it is measured: its model's share of the target's weight bytes, or,
+    for a target whose weights are offloaded (`max_memory`: its passes take the time of reading them from their file,
+    which a resident drafter does not pay), its measured plain-step time over the target's where both were measured."""
+    if getattr(target, "max_memory", None):
+        mine, theirs = plain_seconds(drafter.model.costs), plain_seconds(target.costs)
+        if mine and theirs:
+            return mine / theirs
+    return drafter.model.weight_bytes / max(1, target.weight_bytes)
