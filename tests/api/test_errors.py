@@ -7,7 +7,9 @@ from helpers import encode, tiny_llama
 
 from assistgen import ConfigError, ModelLoadError, TokenizerMismatchError, generate, load_model
 from assistgen.backends.torch.model import Model
+from assistgen.cli.schedule import parse_schedule
 from assistgen.drafters.assistant import AssistantDrafter
+from assistgen.policy.rules import Constant
 
 
 @pytest.fixture(scope="module")
@@ -104,11 +106,14 @@ def test_folder_without_a_model(tmp_path):
         load_model(str(tmp_path))
 
 
-def test_a_schedule_given_as_text_is_parsed_or_refused_clearly():
+def test_a_schedule_given_as_text_is_refused_with_its_object_form_and_parsed_by_the_cli():
     model = tiny_llama()
-    out = generate(model, encode("abc abc abc"), lookup=True, schedule="constant:3", max_new_tokens=5)
+    out = generate(model, encode("abc abc abc"), lookup=True, schedule=Constant(k=3), max_new_tokens=5)
     assert len(out.token_ids) == 5
-    with pytest.raises(ConfigError, match="unknown schedule 'fast'"):
-        generate(model, encode("abc"), lookup=True, schedule="fast", max_new_tokens=2)
+    with pytest.raises(ConfigError, match=r"command line's form.*Constant\(k=\.\.\.\)"):
+        generate(model, encode("abc"), lookup=True, schedule="constant:3", max_new_tokens=2)
+    assert parse_schedule("constant:3") == Constant(k=3)
+    with pytest.raises(ValueError, match="unknown schedule 'fast'"):
+        parse_schedule("fast")
     with pytest.raises(ConfigError, match="schedule must be a schedule object"):
         generate(model, encode("abc"), lookup=True, schedule=4, max_new_tokens=2)

@@ -3,8 +3,8 @@ exactness against transformers' own `generate` in float32 and bfloat16, seeded s
 ragged batch engine, refusals of the CPU-only pieces.
 
 Skipped where there is no CUDA device; `benchmarks/gpu.sh` runs it on a GPU machine (and
-`tests/test_cuda_embedded.py` where the embedded models are installed). Greedy outputs are compared token for token;
-in bfloat16 a difference is accepted only at a near-tie of the target's logits (`helpers.NEAR_TIE`).
+`tests/backends/test_cuda_embedded.py` where the embedded models are installed). Greedy outputs are compared token
+for token; in bfloat16 a difference is accepted only at a near-tie of the target's logits (`helpers.NEAR_TIE`).
 """
 
 from __future__ import annotations

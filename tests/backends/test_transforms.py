@@ -21,6 +21,7 @@ from assistgen.backends.torch.transforms import (
     small_rows_linear,
     untransformed,
 )
+from assistgen.policy.rules import Constant
 
 
 def wrapped(layer: torch.nn.Linear) -> torch.nn.Sequential:
@@ -121,7 +122,7 @@ def test_grouped_attention_decodes_like_a_plain_loop(make):
     model = make()
     grouped_query_attention(model.hf)
     ids = encode("abc abc abc. the cat sat on the mat; the cat sat on the")
-    out = generate(model, ids, lookup=True, schedule="constant:6", max_new_tokens=40, eos_token_ids=())
+    out = generate(model, ids, lookup=True, schedule=Constant(k=6), max_new_tokens=40, eos_token_ids=())
     assert out.stats.accepted_tokens > 0  # multi-token verification steps happened
     assert out.token_ids == naive_greedy(model, ids, 40)
 

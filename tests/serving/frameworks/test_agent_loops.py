@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from agent_loops import TASKS, Recorder, run_task  # noqa: E402 (benchmarks/agent_loops.py)
 from helpers import start_serve_command  # noqa: E402
 

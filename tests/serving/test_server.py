@@ -378,7 +378,7 @@ def test_the_readme_lists_every_request_field():
 
     from assistgen.serving.protocol import NO_EFFECT, REFUSED, ChatRequest, CompletionRequest, Message
 
-    readme = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
+    readme = Path(__file__).resolve().parents[2].joinpath("README.md").read_text()
     table = readme[readme.index("### Request fields"):]
     rows = dict(re.findall(r"^\| `([a-z_.\[\]]+)` \| ([^|]+) \|", table, re.M))
     declared = set(CompletionRequest.model_fields) | set(ChatRequest.model_fields)
@@ -400,7 +400,7 @@ ASKING = {
     "guided_grammar": 'root ::= "ok"',
 }
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # sent to a server whose template renders tools:
-# tests/test_tools.py (SmolLM2's own template renders none)
+# tests/core/test_tools.py (SmolLM2's own template renders none)
 EFFECT = {  # what a reply shows for a field that is honoured (choice -> bool)
     "response_format": lambda c: c["message"]["content"].startswith("{"),
     "structured_outputs": lambda c: (c.get("text") or c.get("message", {}).get("content", "")).isdigit(),
@@ -420,7 +420,7 @@ def test_each_documented_field_is_sent_and_does_what_the_readme_says(live):
 
     from assistgen.serving.protocol import REFUSED, ChatRequest, CompletionRequest
 
-    readme = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
+    readme = Path(__file__).resolve().parents[2].joinpath("README.md").read_text()
     rows = dict(re.findall(r"^\| `([a-z_]+)` \| ([^|]+) \|", readme[readme.index("### Request fields"):], re.M))
     sent = 0
     for path, model, base in (("completions", CompletionRequest, {"prompt": "Hi"}),

@@ -28,6 +28,7 @@ from assistgen.cli.bench import parse_method
 from assistgen.cli.main import main
 from assistgen.config import GenerationConfig
 from assistgen.drafters.assistant import fit_vocab
+from assistgen.policy.rules import Constant
 from assistgen.spec.sampling import Sampler
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -71,7 +72,7 @@ def test_sampled_generation_is_unchanged_by_the_device_bookkeeping():
     target, assistant = tiny_llama(seed=0), tiny_llama(seed=1)
     ids = encode("abc abc")
     runs = [generate(target, ids, assistant=assistant, temperature=0.8, seed=5, max_new_tokens=16,
-                     schedule="constant:3") for _ in range(2)]
+                     schedule=Constant(k=3)) for _ in range(2)]
     assert runs[0].token_ids == runs[1].token_ids and runs[0].stats.drafted_tokens > 0
 
 

@@ -238,7 +238,7 @@ def test_no_draft_token_is_verified_past_max_new_tokens():
     ids = encode("Once upon a time")
     reference = generate(target, ids, max_new_tokens=80, eos_token_ids=()).token_ids
     for n in (1, 2, 7, 23, 40):
-        out = generate(target, ids, assistant=Oracle(ids, reference), schedule="constant:16", max_new_tokens=n,
+        out = generate(target, ids, assistant=Oracle(ids, reference), schedule=Constant(k=16), max_new_tokens=n,
                        eos_token_ids=())
         assert out.token_ids == reference[:n]
         # every step emits its accepted draft tokens plus one, and every verified draft token is accepted:

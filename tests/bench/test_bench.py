@@ -204,7 +204,7 @@ def test_the_gpu_checks_timing_script_runs_on_a_tiny_model(tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_random.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_random.py"
     out = tmp_path / "random.json"
     run = subprocess.run([sys.executable, str(script), "--device", "cpu", "--dtype", "float32", "--sizes", "tiny",
                           "--tokens", "4", "--repeats", "1", "--out", str(out)], capture_output=True, text=True,

@@ -32,7 +32,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def cluster():
     port = free_port()
-    spec = ReplicaSpec(NAME, LOADING, lookup=True, schedule="constant:4", engine={"prefix_cache": None},
+    spec = ReplicaSpec(NAME, LOADING, lookup=True, schedule=Constant(k=4), engine={"prefix_cache": None},
                        max_tokens_limit=256)  # (a constant schedule: drafts verified whatever the costs measured)
     start(spec, ReplicaOptions(replicas=2, cpus_per_replica=1), "127.0.0.1", port, num_cpus=2)
     yield f"http://127.0.0.1:{port}"
