@@ -22,10 +22,10 @@ from jinja2 import TemplateError
 from assistgen.backends.base import LanguageModel
 from assistgen.backends.loader import load
 from assistgen.config import ConfigError, GenerationConfig, Structure
-from assistgen.core.engine import Chunk
 from assistgen.core.engine import stream as run_loop
 from assistgen.core.logprobs import TokenLogprob
 from assistgen.core.prefix import PrefixCache, check_capacity, default_capacity
+from assistgen.core.state import Chunk
 from assistgen.core.tools import call_syntax
 from assistgen.drafters.assistant import AssistantDrafter, same_tokenizer
 from assistgen.drafters.base import CompositeDrafter, NoDrafter

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from assistgen import Constant, generate, load_model
 from assistgen.api import encode_chat, use_chat_template
-from assistgen.core.engine import Chunk
+from assistgen.core.state import Chunk
 from assistgen.core.tools import HERMES, Tool, call_structure, call_syntax, parse_calls
 from assistgen.serving.server import CallStream, Job, tool_message
 

@@ -24,7 +24,7 @@ log-probabilities, read from the same rows (`logprobs.py`); with `config.prompt_
 every prompt row and the first chunk carries the prompt's. Where the schedule says a pass costs about the
 same for more rows (an offloaded target: the run's `alternatives`, `policy.alternatives`), a greedy generation also
 verifies other
-drafters' drafts in forks of its cache, in the same pass (`add_alternatives`), and keeps the tokens of the one
+drafters' drafts in forks of its cache, in the same pass (`core.alternatives`), and keeps the tokens of the one
 accepted furthest (`keep_furthest`): still the target's own greedy ones. The forks are dropped, and the
 generation's cache is still filled in order (the kept draft's tokens are fed again in the next pass).
 """
@@ -32,85 +32,24 @@ generation's cache is still filled in order (the kept draft's tokens are fed aga
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
-from assistgen.backends.base import Cache, LanguageModel, shared_prefix
+from assistgen.backends.base import Cache, LanguageModel
 from assistgen.config import ConfigError, GenerationConfig
+from assistgen.core.alternatives import add_alternatives, keep_furthest
 from assistgen.core.constraint import Constraint
 from assistgen.core.grammar import GrammarDrafter
-from assistgen.core.logprobs import TokenLogprob, token_logprobs
+from assistgen.core.logprobs import token_logprobs
 from assistgen.core.prefix import PrefixCache
 from assistgen.core.sampling import verify_greedy, verify_speculative
+from assistgen.core.state import Chunk, GenerationState
 from assistgen.core.text import TextStream
 from assistgen.drafters.base import drafters_of
-from assistgen.policy.alternatives import StepPlan
 from assistgen.policy.costs import PassCosts, pass_costs
-from assistgen.policy.gain import alternative_gain, merged_reach
 from assistgen.policy.lengths import verified_lengths
-from assistgen.spec.drafts import Draft, Drafter, Proposal, first_draft
+from assistgen.spec.drafts import Drafter, first_draft
 from assistgen.spec.sampling import Sampler
-from assistgen.spec.steps import Schedule, ScheduleRun, StepOutcome
+from assistgen.spec.steps import Schedule, StepOutcome
 from assistgen.stats import Stats
-
-
-@dataclass
-class Chunk:
-    tokens: list[int]  # token ids emitted by this step
-    text: str  # text that became safe to show with this step
-    finish_reason: str | None = None  # set on the last chunk: length | eos | stop | context (| cancelled | error)
-    stats: Stats | None = None  # the generation's statistics, live; final on the last chunk
-    logprobs: list[TokenLogprob] | None = None  # one per token, when the config asks for them
-    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (the first has none): first chunk only
-
-
-@dataclass
-class Alternative:
-    """Another drafter's draft, verified whole in a fork of the generation's cache in the same pass."""
-
-    proposal: Proposal
-    cache: Cache
-
-
-@dataclass
-class GenerationState:
-    """One generation between steps: its ids, cache, drafters, schedule run, sampler and statistics."""
-
-    target: LanguageModel
-    ids: list[int]  # prompt + emitted tokens
-    drafter: Drafter
-    drafters: list  # the drafters to try, cheapest first
-    run: ScheduleRun
-    config: GenerationConfig
-    sampler: Sampler
-    text: TextStream
-    stats: Stats
-    eos: set[int]
-    context: int  # the longest the sequence may grow
-    cache: Cache
-    started: float
-    finish: str | None = None
-    constraint: Constraint | None = None  # the grammar the output follows (config.structure), or None
-    proposal: Proposal = field(default_factory=Proposal)  # this step's draft, made by `draft_for`
-    verified: int = 0  # how many of its tokens this step verifies
-    forbidden: int | None = None  # the draft token right after the verified ones, when the grammar forbids it
-    prompt_logprobs: list[TokenLogprob] | None = None  # filled by the prefill when the config asks for them
-    alternatives: list[Alternative] = field(default_factory=list)  # other drafts this step verifies beside its own
-
-    @property
-    def prefilling(self) -> bool:
-        return self.stats.steps == 0 and len(self.cache) < len(self.ids) - 1
-
-    @property
-    def unfed(self) -> list[int]:
-        """The tokens a decoding step feeds before its draft: the last one, and those of an alternative kept last step
-        (`keep_furthest`), which the cache has not read."""
-        return self.ids[len(self.cache):]
-
-    @property
-    def room(self) -> int:
-        """Draft tokens that can still be used: the sequence never outgrows the context, and a step emits its
-        accepted tokens plus one, so r tokens still wanted need at most r - 1 draft tokens."""
-        return min(self.context - len(self.ids), self.config.max_new_tokens - self.stats.new_tokens) - 1
 
 
 def begin(target: LanguageModel, prompt_ids: list[int], drafter: Drafter, schedule: Schedule,
@@ -268,80 +207,6 @@ def constrain(s: GenerationState) -> None:
     when sampling, the next token then comes from the residual norm(max(p - q, 0)) at its position, as it would
     have). The number verified was chosen before the cut, from the draft alone, so the cut changes no choice."""
     s.verified, s.forbidden = s.constraint.check(s.proposal.draft.tokens[: s.verified])
-
-
-def add_alternatives(decoding: list[GenerationState], prefill_rows: int, costs: PassCosts | None) -> None:
-    """Ask the drafters after the one that drafted (and those not asked) for alternative drafts, and fork each
-    generation's cache for those worth verifying in this pass: as many tokens as the schedule says raise the step's
-    expected tokens per unit of time (`AlternativesRun.k` before drafting, `length` after), at
-    most `Adaptive.alternatives` of them. Greedy generations without a grammar only; none when a fork cannot be made
-    (the backend's sequences are all in use)."""
-    for s in decoding:
-        s.alternatives = []
-    if costs is None or all(s.run.alternatives is None for s in decoding):
-        return
-    bests = [s.run.alternatives.reach(s.proposal.draft, s.proposal.drafter, s.verified)
-             if s.run.alternatives is not None else [] for s in decoding]
-    # (each generation emits the target's own token and its draft's expected accepted ones)
-    plan = StepPlan(costs, len(decoding) + (1 if prefill_rows else 0), len(decoding) + prefill_rows,
-                    sum(s.verified for s in decoding), sum(1.0 + sum(best) for best in bests))
-    for s, best in zip(decoding, bests, strict=True):
-        if s.run.alternatives is not None and s.config.greedy and s.constraint is None:
-            find_alternatives(s, best, plan)
-
-
-def find_alternatives(s: GenerationState, best: list[float], plan: StepPlan) -> None:
-    """`add_alternatives` for one generation; best[i-1]: the chance its own draft's accepted run reaches i tokens."""
-    verified, alternatives = [s.proposal.draft.tokens[: s.verified]], s.run.alternatives
-    for drafter in s.drafters:
-        if drafter.name == s.proposal.drafter or drafter.name in s.proposal.empty:
-            continue
-        k = alternatives.k(drafter, best, plan, s.room, len(s.alternatives))
-        if k <= 0:
-            continue
-        start = s.cache.clock()
-        draft = drafter.propose(s.ids, k, s.sampler, s.run.min_confidence)
-        seconds = s.cache.clock() - start
-        s.stats.draft_forward_passes += draft.forward_passes
-        s.stats.draft_s += seconds
-        shared = max(shared_prefix(tokens, draft.tokens) for tokens in verified)
-        n = alternatives.length(draft, drafter.name, best, shared, plan)
-        if n <= 0:
-            continue
-        try:
-            fork = s.cache.fork()
-        except ValueError:  # (no sequence left for it on the backend: verify without it)
-            return
-        draft = Draft(draft.tokens[:n], None, draft.forward_passes, draft.source or drafter.name)
-        s.alternatives.append(Alternative(Proposal(draft, drafter.name, seconds, seconds, draft.forward_passes),
-                                          fork))
-        verified.append(draft.tokens)
-        other = alternatives.reach(draft, drafter.name, n)
-        plan.add(alternative_gain(best, other, shared), n)
-        best = merged_reach(best, other, shared)
-
-
-def keep_furthest(s: GenerationState, logits, others: list) -> tuple[object, list[StepOutcome], bool]:
-    """Of the generation's draft and its alternatives (verified in the same pass: `logits` [verified+1, vocab] and
-    each alternative's), keep the one whose draft the target accepts furthest (ties: the generation's own): its
-    proposal becomes the generation's. Returns the kept logits, the others' outcomes (their acceptance is learnt by
-    the schedule after the step) and whether the kept one was an alternative. The generation keeps its own cache,
-    and the forks are dropped: an alternative's accepted tokens are fed again in the next pass (`unfed`), so that the
-    cache holds every token in the order it was written, as when fed alone (llama.cpp's attention sums over its
-    cells in their order, and a fork's cells lie after the sequence's own draft cells, which are given back)."""
-    candidates = [(s.proposal, s.verified, logits)]
-    candidates += [(a.proposal, len(a.proposal.draft.tokens), rows) for a, rows in zip(s.alternatives, others,
-                                                                                        strict=True)]
-    judged = [verify_greedy(rows, p.draft.tokens[:n]) for p, n, rows in candidates]
-    kept = max(range(len(candidates)), key=lambda i: (judged[i][0], -i))
-    losers = [StepOutcome(p.draft, p.drafter, n, judged[i][0], judged[i][1], p.seconds)
-              for i, (p, n, _) in enumerate(candidates) if i != kept]
-    if kept:  # the cache keeps what it shares with the kept tokens
-        s.cache.crop(len(s.ids) + shared_prefix(s.proposal.draft.tokens[: s.verified],
-                                                candidates[kept][0].draft.tokens[: judged[kept][0]]))
-    s.proposal, s.verified, logits = candidates[kept]
-    s.alternatives = []
-    return logits, losers, kept > 0
 
 
 def rows_fed(s: GenerationState) -> int:

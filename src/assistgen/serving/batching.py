@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from assistgen.backends.base import LanguageModel
 from assistgen.config import ConfigError, GenerationConfig
 from assistgen.core.constraint import compile_structure
-from assistgen.core.engine import Chunk, GenerationState, begin, step
+from assistgen.core.engine import begin, step
 from assistgen.core.prefix import PrefixCache, check_capacity, default_capacity
+from assistgen.core.state import Chunk, GenerationState
 from assistgen.policy.costs import Calibration, pending
 from assistgen.spec.drafts import Drafter
 from assistgen.spec.steps import Schedule

@@ -21,7 +21,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from assistgen.core.engine import Chunk
+from assistgen.core.state import Chunk
 from assistgen.serving.batching import BatchEngine
 from assistgen.stats import Stats
 

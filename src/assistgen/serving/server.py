@@ -44,8 +44,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from assistgen.api import encode_chat, encode_prompt
 from assistgen.config import ConfigError, Structure
-from assistgen.core.engine import Chunk, check_prompt, context_limit
+from assistgen.core.engine import check_prompt, context_limit
 from assistgen.core.logprobs import TokenLogprob
+from assistgen.core.state import Chunk
 from assistgen.core.tools import (
     CallParser,
     CallStart,

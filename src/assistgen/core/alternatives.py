@@ -1,0 +1,93 @@
+"""Alternatives in the loop: other drafters' drafts verified beside a generation's own, in forks of its cache.
+
+Contract: where a generation's schedule run carries the alternatives extension (`ScheduleRun.alternatives`, a
+`policy.alternatives.AlternativesRun`: greedy, an offloaded target), `add_alternatives` asks the drafters after the
+one that drafted for alternative drafts and forks the generation's cache for those worth verifying in the step's
+pass; after the pass, `keep_furthest` keeps the draft the target accepted furthest (the target's own greedy tokens
+whichever wins). Runs without the extension are left alone: the step is then what it is without alternatives.
+"""
+
+from __future__ import annotations
+
+from assistgen.backends.base import shared_prefix
+from assistgen.core.sampling import verify_greedy
+from assistgen.core.state import Alternative, GenerationState
+from assistgen.policy.alternatives import StepPlan
+from assistgen.policy.costs import PassCosts
+from assistgen.policy.gain import alternative_gain, merged_reach
+from assistgen.spec.drafts import Draft, Proposal
+from assistgen.spec.steps import StepOutcome
+
+
+def add_alternatives(decoding: list[GenerationState], prefill_rows: int, costs: PassCosts | None) -> None:
+    """Ask the drafters after the one that drafted (and those not asked) for alternative drafts, and fork each
+    generation's cache for those worth verifying in this pass: as many tokens as the schedule says raise the step's
+    expected tokens per unit of time (`AlternativesRun.k` before drafting, `length` after), at
+    most `Adaptive.alternatives` of them. Greedy generations without a grammar only; none when a fork cannot be made
+    (the backend's sequences are all in use)."""
+    for s in decoding:
+        s.alternatives = []
+    if costs is None or all(s.run.alternatives is None for s in decoding):
+        return
+    bests = [s.run.alternatives.reach(s.proposal.draft, s.proposal.drafter, s.verified)
+             if s.run.alternatives is not None else [] for s in decoding]
+    # (each generation emits the target's own token and its draft's expected accepted ones)
+    plan = StepPlan(costs, len(decoding) + (1 if prefill_rows else 0), len(decoding) + prefill_rows,
+                    sum(s.verified for s in decoding), sum(1.0 + sum(best) for best in bests))
+    for s, best in zip(decoding, bests, strict=True):
+        if s.run.alternatives is not None and s.config.greedy and s.constraint is None:
+            find_alternatives(s, best, plan)
+
+
+def find_alternatives(s: GenerationState, best: list[float], plan: StepPlan) -> None:
+    """`add_alternatives` for one generation; best[i-1]: the chance its own draft's accepted run reaches i tokens."""
+    verified, alternatives = [s.proposal.draft.tokens[: s.verified]], s.run.alternatives
+    for drafter in s.drafters:
+        if drafter.name == s.proposal.drafter or drafter.name in s.proposal.empty:
+            continue
+        k = alternatives.k(drafter, best, plan, s.room, len(s.alternatives))
+        if k <= 0:
+            continue
+        start = s.cache.clock()
+        draft = drafter.propose(s.ids, k, s.sampler, s.run.min_confidence)
+        seconds = s.cache.clock() - start
+        s.stats.draft_forward_passes += draft.forward_passes
+        s.stats.draft_s += seconds
+        shared = max(shared_prefix(tokens, draft.tokens) for tokens in verified)
+        n = alternatives.length(draft, drafter.name, best, shared, plan)
+        if n <= 0:
+            continue
+        try:
+            fork = s.cache.fork()
+        except ValueError:  # (no sequence left for it on the backend: verify without it)
+            return
+        draft = Draft(draft.tokens[:n], None, draft.forward_passes, draft.source or drafter.name)
+        s.alternatives.append(Alternative(Proposal(draft, drafter.name, seconds, seconds, draft.forward_passes),
+                                          fork))
+        verified.append(draft.tokens)
+        other = alternatives.reach(draft, drafter.name, n)
+        plan.add(alternative_gain(best, other, shared), n)
+        best = merged_reach(best, other, shared)
+
+
+def keep_furthest(s: GenerationState, logits, others: list) -> tuple[object, list[StepOutcome], bool]:
+    """Of the generation's draft and its alternatives (verified in the same pass: `logits` [verified+1, vocab] and
+    each alternative's), keep the one whose draft the target accepts furthest (ties: the generation's own): its
+    proposal becomes the generation's. Returns the kept logits, the others' outcomes (their acceptance is learnt by
+    the schedule after the step) and whether the kept one was an alternative. The generation keeps its own cache,
+    and the forks are dropped: an alternative's accepted tokens are fed again in the next pass (`unfed`), so that the
+    cache holds every token in the order it was written, as when fed alone (llama.cpp's attention sums over its
+    cells in their order, and a fork's cells lie after the sequence's own draft cells, which are given back)."""
+    candidates = [(s.proposal, s.verified, logits)]
+    candidates += [(a.proposal, len(a.proposal.draft.tokens), rows) for a, rows in zip(s.alternatives, others,
+                                                                                        strict=True)]
+    judged = [verify_greedy(rows, p.draft.tokens[:n]) for p, n, rows in candidates]
+    kept = max(range(len(candidates)), key=lambda i: (judged[i][0], -i))
+    losers = [StepOutcome(p.draft, p.drafter, n, judged[i][0], judged[i][1], p.seconds)
+              for i, (p, n, _) in enumerate(candidates) if i != kept]
+    if kept:  # the cache keeps what it shares with the kept tokens
+        s.cache.crop(len(s.ids) + shared_prefix(s.proposal.draft.tokens[: s.verified],
+                                                candidates[kept][0].draft.tokens[: judged[kept][0]]))
+    s.proposal, s.verified, logits = candidates[kept]
+    s.alternatives = []
+    return logits, losers, kept > 0
