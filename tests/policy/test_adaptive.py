@@ -518,3 +518,29 @@ def test_under_a_budget_calibration_times_fewer_passes():
 
     assert passes(10**9) < passes(None) / 2
     assert costs_module.interpolated([1.0, 2.0, 4.0], (1, 2, 4)) == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_one_fit_tells_a_fixed_cost_per_pass_from_a_machine_uniformly_slower():
+    """`online.OnlineCosts`: passes that all take twice their measured time (a busy machine: t = 2 t_measured) leave
+    the measured curve as it is and double the plain step's time; passes that take a fixed 1.2 s more (weights
+    streamed) flatten it, v'[k] = (v[k] + f) / (1 + f)."""
+    from assistgen.policy.costs import PassCosts
+    from assistgen.policy.online import OnlineCosts
+
+    seconds = [0.1 * (1 + 0.75 * k) for k in range(17)]
+    measured = PassCosts.of({"step_seconds": seconds, "verification_costs": [t / seconds[0] for t in seconds],
+                             "wide_rows": [], "wide_costs": [], "sequence_cost": 0.0, "batch_row_cost": 0.0})
+    busy, streamed = OnlineCosts(measured), OnlineCosts(measured)
+    for k in [0, 4, 1, 8, 2, 16, 0, 3] * 3:
+        busy.observe((1, 1, k), 2 * seconds[k])
+        streamed.observe((1, 1, k), seconds[k] + 1.2)
+    # (the slope's pull towards the measured t(1), one row's spread against these rows', costs a few % of the unit)
+    assert busy.costs().curve == pytest.approx(measured.curve) and busy.unit_s() == pytest.approx(0.2, rel=0.1)
+    assert busy.fixed() == pytest.approx(0.0, abs=1e-9)
+    assert streamed.fixed() == pytest.approx(11.0) and streamed.unit_s() == pytest.approx(1.3)
+    assert streamed.costs().curve[16] == pytest.approx((13.0 + 11.0) / 12.0)
+    # While the rows do not spread, the extra time is read as a fixed cost (the slope held at the measured t(1)).
+    still = OnlineCosts(measured)
+    for _ in range(5):
+        still.observe((1, 1, 0), 0.1 + 1.2)
+    assert still.fixed() == pytest.approx(11.0)
