@@ -255,7 +255,7 @@ def stream(
     model: `assistant` (a model, name or drafter; another tokenizer switches to universal mode) or
     `early_exit` (True, or a layer count: the target's own first layers draft). `schedule` defaults
     to the cost-aware `Adaptive` policy; a schedule (its settings: never changed by a generation, so one
-    object can serve many) or its CLI form ('constant:4', 'heuristic').
+    object can serve many: `Constant(k=4)`, `Heuristic()`, `Adaptive(max_k=...)`).
     `settings` are the fields of `GenerationConfig`:
     max_new_tokens, temperature, top_k, top_p, seed, stop, eos_token_ids, logprobs, prompt_logprobs (each chunk
     then carries its tokens' log-probabilities under the target), structure (a `Structure`: the output follows

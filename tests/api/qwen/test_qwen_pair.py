@@ -9,6 +9,7 @@ import pytest
 from assistgen import generate, load_model
 from assistgen.api import encode_prompt
 from assistgen.backends.torch.quantize import QuantizedLinear, row_independent
+from assistgen.policy.rules import Constant
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation.",
@@ -39,8 +40,8 @@ def test_every_drafter_gives_plain_decodings_tokens(pair, text):
     plain = generate(target, ids, max_new_tokens=64).token_ids
     cases = [({"lookup": True}, True),
              ({"assistant": draft}, False),  # the adaptive policy may keep the 0.5B off (it does with int4)
-             ({"assistant": draft, "schedule": "constant:3"}, True),
-             ({"assistant": smol, "schedule": "constant:3"}, True)]
+             ({"assistant": draft, "schedule": Constant(3)}, True),
+             ({"assistant": smol, "schedule": Constant(3)}, True)]
     for kwargs, must_draft in cases:
         out = generate(target, ids, max_new_tokens=64, **kwargs)
         assert out.stats.drafted_tokens > 0 or not must_draft, kwargs
