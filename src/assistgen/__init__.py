@@ -2,6 +2,7 @@
 
 from assistgen.api import Conversation, Generation, Session, generate, load_model, prepare, stream
 from assistgen.backends.embedded import ModelLoadError
+from assistgen.backends.settings import LoadSettings
 from assistgen.backends.torch.model import Model
 from assistgen.config import ConfigError, GenerationConfig, Structure
 from assistgen.core.prefix import PrefixCache
@@ -18,7 +19,8 @@ from assistgen.stats import Stats
 
 __all__ = [
     "Adaptive", "AssistantDrafter", "CompositeDrafter", "ConfigError", "Constant", "Conversation", "Draft", "Drafter",
-    "EarlyExitDrafter", "Generation", "GenerationConfig", "Heuristic", "Model", "ModelLoadError", "NGramCache",
-    "NGramCacheDrafter", "NoDrafter", "PrefixCache", "PromptLookupDrafter", "Session", "Stats", "Structure",
-    "TokenizerMismatchError", "UniversalDrafter", "confidence", "generate", "load_model", "prepare", "stream",
+    "EarlyExitDrafter", "Generation", "GenerationConfig", "Heuristic", "LoadSettings", "Model", "ModelLoadError",
+    "NGramCache", "NGramCacheDrafter", "NoDrafter", "PrefixCache", "PromptLookupDrafter", "Session", "Stats",
+    "Structure", "TokenizerMismatchError", "UniversalDrafter", "confidence", "generate", "load_model", "prepare",
+    "stream",
 ]

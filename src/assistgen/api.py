@@ -7,12 +7,15 @@ and a `GenerationConfig`, checks them, and runs `engine.stream`. Bad input raise
 `ModelLoadError` (ValueErrors) whose message says what is wrong and how to fix it. Getting a model
 ready is two explicit steps: loading (`backends.loader.load`, on the chosen backend) and
 `prepare(model)` (the backend's optimization transforms, then the policy's cost measurements, kept in
-the model's own `costs` field); `load_model` runs both, as the CLI, the server and the bench do.
+the model's own `costs` field); `load_model` runs both, as the CLI, the server and the bench do, its options
+parsed once into a `LoadSettings`. `generate`, `stream` and a drafter never load a model per call: a name they are
+given is resolved once per process and the loaded model reused (`as_model`).
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +23,7 @@ from pathlib import Path
 from jinja2 import TemplateError
 
 from assistgen.backends.base import LanguageModel
-from assistgen.backends.loader import load
+from assistgen.backends.loader import LoadSettings, load
 from assistgen.config import ConfigError, GenerationConfig, Structure
 from assistgen.core.engine import stream as run_loop
 from assistgen.core.logprobs import TokenLogprob
@@ -53,14 +56,20 @@ class Generation:
 
 
 def load_model(spec: str, fast_linear: bool | str = "auto", backend: str = "auto", calibration: str = "now",
-               **loading):
+               settings: LoadSettings | None = None, **loading):
     """Load `spec` (an embedded alias, a `.gguf` file, a local model folder or a hub id) on `backend` ("auto":
     llama.cpp for a GGUF file on the CPU when it is installed, or a GGUF type as `quantize`; for a folder or hub
     id with quantize int8/int4 the faster of the two here, measured once; else torch: `backends.loader`), with that
     backend's options (torch: `dtype`, `device`, `quantize`; llama.cpp: `context`, `sequences`, `threads`, ...;
-    both: `max_memory`, offloaded weights; their defaults are the backend's), then `prepare` it unless
-    `fast_linear` is False (`calibration`: as `prepare` takes it)."""
-    model = load(spec, backend, **loading)
+    both: `max_memory`, offloaded weights; their defaults are the backend's), parsed once into a `LoadSettings`
+    (or that object itself as `settings`), then `prepare` it unless `fast_linear` is False (`calibration`: as
+    `prepare` takes it)."""
+    if settings is None:
+        settings = LoadSettings.parse(backend, **loading)
+    elif loading or backend != "auto":
+        raise ConfigError("load_model: give the loading options either as keywords or as settings=LoadSettings(...), "
+                          "not both.")
+    model = load(spec, settings)
     if fast_linear:
         prepare(model, fast_linear, calibration=calibration)
     return model
@@ -108,9 +117,24 @@ def read_chat_template(template: str) -> str:
     return template
 
 
+_NAMED: dict[str, LanguageModel] = {}  # spec -> the model a name given to generate/stream/a drafter resolved to
+_NAMING = threading.Lock()
+
+
 def as_model(model) -> LanguageModel:
-    """A backend model as it is; anything else is a spec to load (a bad one raises `ModelLoadError`)."""
-    return model if hasattr(model, "new_cache") else load_model(model)
+    """A backend model as it is; a name (an alias, a file, a folder or a hub id) is resolved once per process: loaded
+    and prepared with the default settings on first use, then the same model for every later call that names it
+    (load it with `load_model` to choose its settings, or to free it). A bad name raises `ModelLoadError`."""
+    if hasattr(model, "new_cache"):
+        return model
+    if not isinstance(model, str):
+        raise ConfigError(f"A model must be a loaded model (assistgen.load_model) or its name, got "
+                          f"{type(model).__name__}.")
+    with _NAMING:
+        key = model.strip()
+        if key not in _NAMED:
+            _NAMED[key] = load_model(key)
+        return _NAMED[key]
 
 
 def encode_prompt(model: LanguageModel, prompt: str | list[int], chat: bool = False) -> list[int]:

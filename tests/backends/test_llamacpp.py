@@ -16,7 +16,7 @@ from assistgen import ConfigError, ModelLoadError, generate, load_model, stream
 from assistgen.api import encode_prompt
 from assistgen.backends.llamacpp.loading import CHECK_TEXT, check_tokenizer, llama_tokenize
 from assistgen.backends.llamacpp.model import LlamaCapacityError, LlamaModel
-from assistgen.backends.loader import choose_backend
+from assistgen.backends.loader import LoadSettings, choose_backend
 from assistgen.cli.main import main
 from assistgen.config import GenerationConfig
 from assistgen.core.exactness import first_divergence
@@ -232,15 +232,38 @@ def test_capacity_errors_are_clear_and_leave_the_context_usable():
 
 
 def test_choosing_the_backend():
-    assert choose_backend("smollm2-135m") == "llama.cpp"
-    assert choose_backend("model.gguf") == "llama.cpp"
-    assert choose_backend("smollm2-135m", quantize="int4") == "torch"
-    assert choose_backend("smollm2-135m", device="cuda") == "torch"
-    assert choose_backend("someone/model") == "torch"
-    assert choose_backend("someone/model", quantize="q4_k_m") == "llama.cpp"  # a GGUF type: converted for llama.cpp
-    assert choose_backend("smollm2-135m", "torch") == "torch"
+    def chosen(spec, backend="auto", **options):
+        return choose_backend(spec, LoadSettings.parse(backend, **options))
+
+    assert chosen("smollm2-135m") == "llama.cpp"
+    assert chosen("model.gguf") == "llama.cpp"
+    assert chosen("smollm2-135m", quantize="int4") == "torch"
+    assert chosen("smollm2-135m", device="cuda") == "torch"
+    assert chosen("someone/model") == "torch"
+    assert chosen("someone/model", quantize="q4_k_m") == "llama.cpp"  # a GGUF type: converted for llama.cpp
+    assert chosen("someone/model", context=512) == "llama.cpp"  # an option only llama.cpp takes
+    assert chosen("smollm2-135m", "torch") == "torch"
     with pytest.raises(ModelLoadError, match="Unknown backend"):
-        choose_backend("smollm2-135m", "onnx")
+        chosen("smollm2-135m", "onnx")
+
+
+def test_loading_options_are_parsed_once_into_settings_that_say_what_was_given():
+    settings = LoadSettings.parse("auto", max_memory="1.5GB", dtype="bfloat16", context=512, sequences=None)
+    assert settings.max_memory == 1_500_000_000 and settings.dtype is torch.bfloat16
+    assert settings.given == {"max_memory", "dtype", "context"}  # None: the backend's default, not given
+    llama = settings.llama_settings()
+    assert llama.context == 512 and llama.max_memory == 1_500_000_000 and llama.repack is False  # (file-backed)
+    smaller = settings.with_budget(10**9)
+    assert smaller.max_memory == 10**9 and settings.max_memory == 1_500_000_000  # frozen: a new object
+    assert "max_memory" not in settings.with_budget(None).given
+    with pytest.raises(ModelLoadError, match="Unknown loading option contxt"):
+        LoadSettings.parse(contxt=512)
+    with pytest.raises(ConfigError, match="max_memory must be"):
+        LoadSettings.parse(max_memory="lots")
+    with pytest.raises(ModelLoadError, match="dtype must be"):
+        LoadSettings.parse(dtype="float8")
+    with pytest.raises(ConfigError, match="either as keywords or as settings"):
+        load_model("smollm2-135m", settings=settings, context=256)
 
 
 def test_bad_input_names_the_fix(tmp_path, smol, capsys):
@@ -379,8 +402,8 @@ def test_auto_measures_which_backend_runs_int8_faster_for_a_folder_once_and_info
         raise AssertionError("measured again although the choice is recorded")
 
     monkeypatch.setattr(choice, "measure", fail)
-    assert choose_backend(folder, quantize="int8") == faster
-    assert choose_backend(folder, backend="torch", quantize="int8") == "torch"
+    assert choose_backend(folder, LoadSettings.parse(quantize="int8")) == faster
+    assert choose_backend(folder, LoadSettings.parse("torch", quantize="int8")) == "torch"
     assert main(["info"]) == 0
     said = capsys.readouterr().out
     assert f"{folder} int8: {faster}: {faster} decodes" in said and "tok/s" in said

@@ -68,6 +68,7 @@ def test_a_budget_below_what_must_stay_resident_names_the_smallest_that_works():
     assert "one layer's weights" in str(caught.value) and "KV cache" in str(caught.value)
     model = load_model(NAME, backend="llama.cpp", context=512, max_memory=f"{least + 20}MB")  # the named one works
     assert model.settings.max_memory == (least + 20) * 10**6 and model.settings.repack is False  # no anonymous copy
+    assert model.capabilities.offloaded and not load_model(NAME, backend="llama.cpp").capabilities.offloaded
     assert generate(model, "Hello", max_new_tokens=4).token_ids
 
 
@@ -77,7 +78,7 @@ def test_the_torch_backend_names_the_smallest_budget_too_and_makes_no_packed_cop
     least = int(re.search(r"give at least (\d+) MB", str(caught.value)).group(1))
     assert "the largest layer's weights" in str(caught.value)
     model = load_model(NAME, backend="torch", max_memory=f"{least + 50}MB")  # float32: mmapped safetensors
-    assert model.max_memory == (least + 50) * 10**6
+    assert model.max_memory == (least + 50) * 10**6 and model.capabilities.offloaded
     model.optimize(mode="on")
     assert set(model.routes["routes"]) == {"mkl"}  # oneDNN's packed copies would be anonymous weights
     assert generate(model, "Hello", max_new_tokens=4).token_ids

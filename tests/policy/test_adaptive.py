@@ -26,6 +26,7 @@ from assistgen import (
     UniversalDrafter,
     generate,
 )
+from assistgen.backends.base import Capabilities
 from assistgen.policy.acceptance import Acceptance
 from assistgen.policy.adaptive import AdaptiveRun
 from assistgen.policy.costs import pass_costs
@@ -418,7 +419,7 @@ def test_passes_slower_than_measured_flatten_the_curve_and_lengthen_the_drafts()
     seconds = [0.1 * (1 + 0.75 * k) for k in range(17)]
     record = {"step_seconds": seconds, "verification_costs": [t / seconds[0] for t in seconds], "wide_rows": [],
               "wide_costs": [], "sequence_cost": 0.0, "batch_row_cost": 0.0}
-    target = SimpleNamespace(costs=PassCosts.of(record))
+    target = SimpleNamespace(costs=PassCosts.of(record), capabilities=Capabilities())
     settings = Adaptive(drafter_cost_prior=0.1)
     ks = {}
     for name, extra in (("steady", 0.0), ("streamed", 1.2)):
@@ -447,7 +448,7 @@ def test_passes_slower_than_measured_flatten_the_curve_and_lengthen_the_drafts()
 
 
 def test_an_offloaded_target_prices_a_resident_assistant_by_measured_step_times():
-    """A target whose weights stream from their file (`max_memory`) takes 1.2 s a pass whatever its size; an assistant
+    """A target whose weights stream from their file (offloaded) takes 1.2 s a pass whatever its size; an assistant
     of 45 % of its weight bytes, resident, takes 0.03 s: its prior cost is their measured step times' ratio, not the
     bytes' share, and with it the assistant drafts from the first step. Without offloading the bytes' share stays."""
     from types import SimpleNamespace
@@ -462,8 +463,8 @@ def test_an_offloaded_target_prices_a_resident_assistant_by_measured_step_times(
 
     assistant = SimpleNamespace(weight_bytes=450, costs=measured(0.03, 0.5))
     drafter = SimpleNamespace(name="assistant", model=assistant, acceptance_prior=None)
-    streamed = SimpleNamespace(weight_bytes=1000, costs=measured(1.2, 0.02), max_memory=500)
-    resident = SimpleNamespace(weight_bytes=1000, costs=measured(0.1, 0.75), max_memory=None)
+    streamed = SimpleNamespace(weight_bytes=1000, costs=measured(1.2, 0.02), capabilities=Capabilities(offloaded=True))
+    resident = SimpleNamespace(weight_bytes=1000, costs=measured(0.1, 0.75), capabilities=Capabilities())
     assert cost_hint(drafter, streamed) == pytest.approx(0.025)
     assert cost_hint(drafter, resident) == pytest.approx(0.45)
     run = Adaptive().prepare(streamed, [drafter], prompt_length=600, budget=32)
@@ -484,7 +485,7 @@ def test_passes_that_also_cost_more_per_row_than_measured_are_not_priced_as_free
     seconds = [0.029 * v for v in curve]
     record = {"step_seconds": seconds, "verification_costs": curve, "wide_rows": [], "wide_costs": [],
               "sequence_cost": 0.0, "batch_row_cost": 0.0}
-    target = SimpleNamespace(costs=PassCosts.of(record))
+    target = SimpleNamespace(costs=PassCosts.of(record), capabilities=Capabilities())
     run, rng = Adaptive().prepare(target, [Cheap()]), random.Random(0)
     for i in range(40):
         rows = 1 if i % 3 == 0 else rng.choice([4, 8, 12, 16])

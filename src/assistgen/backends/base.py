@@ -16,8 +16,7 @@ plus what decoding needs to know: `name`, `backend` (the library's name, for mes
 `decode`, `get_vocab`, `convert_ids_to_tokens`, `apply_chat_template`), `vocab_size` (the width of the
 logits), `eos_token_ids`, `context_length` (None when unbounded), `device` (where logits, and the
 tensors made from them, live), `weight_bytes` (what a forward pass reads, for the policy's cost prior),
-`max_memory` (the budget its weights are offloaded under, in bytes, None when they are not: then a pass's time is set
-by reading the weights from their file, not by their size), `max_sequences` (how many caches can live at once, None:
+`max_sequences` (how many caches can live at once, None:
 no bound), `kv_bytes_per_token` (the keys and values one cached position holds),
 `clock()` (seconds on a monotonic clock once the device's queued work is done: every timing above the
 seam goes through it), `optimize(mode, refresh)` (the backend's own speed transforms, "auto": only
@@ -31,7 +30,7 @@ Capabilities a backend may lack are declared in `capabilities`, never discovered
 `first_layers` (it can run its first N decoder layers as a model of its own, sharing the weights:
 `truncated(n)`, `exit_agreement(ids, positions)` and `layer_costs()`, which early exit needs) and `exact`
 (a row's logits are those it gets alone, so assisted greedy output is plain decoding's; `inexact_reason` says
-why not). Layers
+why not) and `offloaded` (its weights are read from their file beyond a memory budget in every pass). Layers
 above this module see a model only through this interface; the PyTorch code lives below it
 (`backends/torch/`).
 """
@@ -52,6 +51,8 @@ class Capabilities:
     exact: bool = True  # a row's logits do not depend on what else its pass computes, so greedy verification keeps
     # plain decoding's tokens; False (a stock llama.cpp build): drafted output may drift from plain decoding
     inexact_reason: str = ""  # with exact False: why, and the fix
+    offloaded: bool = False  # its weights stay in their file beyond a memory budget and are read in again per pass:
+    # a pass's time is set by that reading, not by the rows it computes (the policy prices it so)
 
 
 class Cache(Protocol):
@@ -84,7 +85,6 @@ class LanguageModel(Protocol):
     cache_key: str | None
     costs: Any  # the policy's measurements of this model (`policy.costs.PassCosts`), None until measured
     capabilities: Capabilities
-    max_memory: int | None  # the budget its weights are offloaded under (bytes); None: not offloaded
     max_sequences: int | None  # how many caches can live at once (llama.cpp's sequence ids); None: no bound
 
     @property

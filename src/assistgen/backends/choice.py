@@ -2,7 +2,7 @@
 
 Contract: a transformers folder or hub id asked with `quantize="int8"|"int4"` and `backend="auto"` on the CPU
 (llama.cpp installed, no option only one backend takes) is a *measured case* (`is_measured_case`). For it,
-`measured_backend(spec, quantize, options, load)` returns "torch" or "llama.cpp": the choice recorded for this model
+`measured_backend(spec, settings, load)` returns "torch" or "llama.cpp": the choice recorded for this model
 (the folder's fingerprint), scheme, processor and thread count, or, where none is, both candidates loaded and
 timed through the seam (`measure.step_times`: one decode pass and one verification of `VERIFY_ROWS - 1` drafts
 after the same random context, best of rounds): the torch backend's own int8/int4 weights, optimized as
@@ -31,13 +31,12 @@ VERIFY_ROWS = 5  # one verification pass of four drafts, priced beside the decod
 CONTEXT = 64  # tokens fed before timing
 
 
-def is_measured_case(spec: str, options: dict, llama_available: bool) -> bool:
+def is_measured_case(spec: str, settings, llama_available: bool) -> bool:
     """A hub-format spec (not a GGUF file) asked with a torch scheme that llama.cpp has a twin for, on the CPU, with
-    no option only the torch backend takes (dtype, a GPU)."""
-    quantize = options.get("quantize")
+    no option only the torch backend takes (dtype, a GPU); `settings`: a `LoadSettings`."""
+    quantize = settings.quantize
     return (llama_available and isinstance(quantize, str) and quantize.lower() in TWINS
-            and options.get("dtype") is None and str(options.get("device") or "cpu") == "cpu"
-            and not is_gguf_spec(spec) and is_hub_format(spec))
+            and settings.dtype is None and settings.on_cpu() and not is_gguf_spec(spec) and is_hub_format(spec))
 
 
 def is_gguf_spec(spec: str) -> bool:
@@ -64,27 +63,29 @@ def record_path(spec: str, quantize: str) -> Path:
     return measurement_file("choices", key, f"{fingerprint(folder)}-{machine}")
 
 
-def measured_backend(spec: str, quantize: str, options: dict, load: Callable) -> str:
-    """The faster backend for `spec` at `quantize` on this machine: recorded, else measured now and recorded;
-    `load(spec, backend, **options)` loads a candidate (`loader.load`, given so that this module needs no loader)."""
-    path = record_path(spec, quantize)
+def measured_backend(spec: str, settings, load: Callable) -> str:
+    """The faster backend for `spec` at `settings.quantize` on this machine: recorded, else measured now and
+    recorded; `load(spec, settings)` loads a candidate (`loader.load`, given so that this module needs no loader)."""
+    path = record_path(spec, settings.quantize)
     record = recalled(path, ("backend", "seconds"))
     if record is None:
-        record = measure(spec, quantize.lower(), options, load)
+        record = measure(spec, settings, load)
         remember(path, record)
     return record["backend"]
 
 
-def measure(spec: str, quantize: str, options: dict, load: Callable) -> dict:
-    """Both candidates loaded in turn and timed; the record of the comparison."""
+def measure(spec: str, settings, load: Callable) -> dict:
+    """Both candidates loaded in turn and timed (the budget kept, if any); the record of the comparison."""
     from assistgen.backends.embedded import say
+    from assistgen.backends.settings import LoadSettings
+
+    quantize = settings.quantize.lower()
 
     say(f"First use of {spec} with quantize={quantize} and backend auto: timing the torch backend's {quantize} "
         f"weights against llama.cpp's {TWINS[quantize]} on this CPU (once; the choice is kept in "
         f"{cache_root() / 'choices'}).")
-    shared = {k: v for k, v in options.items() if k == "max_memory" and v is not None}
-    seconds = {"torch": timed(load, "torch", spec, {**shared, "quantize": quantize}),
-               "llama.cpp": timed(load, "llama.cpp", spec, {**shared, "quantize": TWINS[quantize]})}
+    seconds = {backend: timed(load, spec, LoadSettings.parse(backend, quantize=twin, max_memory=settings.max_memory))
+               for backend, twin in (("torch", quantize), ("llama.cpp", TWINS[quantize]))}
     backend = min(seconds, key=lambda b: seconds[b][0])
     other = "torch" if backend == "llama.cpp" else "llama.cpp"
     speedup = seconds[other][0] / seconds[backend][0]
@@ -97,11 +98,12 @@ def measure(spec: str, quantize: str, options: dict, load: Callable) -> dict:
             "measured": datetime.datetime.now().isoformat(timespec="seconds")}
 
 
-def timed(load: Callable, backend: str, spec: str, options: dict) -> list[float]:
-    """Seconds of one pass over 1 and over VERIFY_ROWS new tokens of `spec` on `backend`, optimized as served."""
+def timed(load: Callable, spec: str, settings) -> list[float]:
+    """Seconds of one pass over 1 and over VERIFY_ROWS new tokens of `spec` loaded with `settings`, optimized as
+    served."""
     from assistgen.backends.measure import step_times
 
-    model = load(spec, backend, **options)
+    model = load(spec, settings)
     model.optimize()
     seconds = step_times(model, context=CONTEXT, rows=[1, VERIFY_ROWS])
     del model

@@ -19,6 +19,7 @@ from assistgen.cli.options import (
     add_placement,
     add_quantize,
     add_structure,
+    load_settings,
     load_target_and_assistant,
     loading,
     settings_from,
@@ -204,8 +205,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from assistgen.backends.torch.transforms import routes_path
     from assistgen.policy.costs import costs_path
 
-    given = {k: v for k, v in loading(args).items() if k != "fast_linear"}
-    model = prepare(load(args.model, **given), refresh=args.refresh)
+    model = prepare(load(args.model, load_settings(args)), refresh=args.refresh)
     routes, record = getattr(model, "routes", None), model.costs.record
     costs = record["verification_costs"]
     print(f"{model.name}: cost of verifying k draft tokens relative to one plain step, v(k) = t(k+1)/t(1)")
@@ -266,7 +266,7 @@ def serving_loading(args: argparse.Namespace) -> dict:
     prompts on the row-exact kernels (unless --fast-prompts), so that a kept prefix holds what a fresh feed would."""
     from assistgen.backends.loader import choose_backend
 
-    if choose_backend(args.model, **loading(args)) != "llama.cpp":
+    if choose_backend(args.model, load_settings(args)) != "llama.cpp":
         if args.fast_prompts:
             raise ConfigError("--fast-prompts chooses llama.cpp's prompt kernels: it needs --backend llama.cpp "
                               "(a GGUF model).")

@@ -3,7 +3,8 @@
 Contract: `add_quantize` and `add_placement` declare --quantize, --backend, --assistant-backend, --device,
 --dtype, --context, --sequences, --max-memory and --no-repack on a parser; `placement` and `loading` turn the parsed
 values into the keyword arguments `assistgen.load_model` takes (only those given: no default is re-declared here, and
-an option of the other backend is refused by the loader, not dropped); `load_target_and_assistant` loads a command's
+an option of the other backend is refused by the loader, not dropped), `load_settings` into the `LoadSettings` they
+parse to (once); `load_target_and_assistant` loads a command's
 pair, splitting --max-memory between them (the assistant resident, the target streamed); `settings_from` gives the
 generation settings a command was given, with the output's structure (`add_structure`: --json-schema, --json,
 --regex, --grammar; files read here, so that a missing or malformed one is an error naming it).
@@ -15,8 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from assistgen.backends.loader import BACKENDS
-from assistgen.backends.torch.loading import DTYPES
+from assistgen.backends.settings import BACKENDS, DTYPES, LoadSettings
 from assistgen.backends.torch.quantize import SCHEMES
 from assistgen.config import ConfigError, Structure
 
@@ -81,32 +81,41 @@ def loading(args: argparse.Namespace, assistant: bool = False) -> dict:
     return out
 
 
+def load_settings(args: argparse.Namespace, assistant: bool = False, extra: dict | None = None) -> LoadSettings:
+    """The command's loading options parsed, once, into `LoadSettings` (`extra`: options a command adds)."""
+    given = {k: v for k, v in {**placement(args, assistant), **(extra or {})}.items() if k != "backend"}
+    if args.quantize:
+        given["quantize"] = args.quantize
+    return LoadSettings.parse(placement(args, assistant)["backend"], **given)
+
+
 def load_target_and_assistant(args: argparse.Namespace, extra: dict | None = None, calibration: str = "now") -> tuple:
     """A command's target and its assistant (None without --assistant), their costs measured now or later
     (`api.prepare`). With --max-memory the assistant is loaded first and stays resident: what it added (its
     anonymous memory and the file pages it maps, measured after its load's passes) is taken from the budget, and the
     target gets the rest."""
     from assistgen import load_model
-    from assistgen.backends.budget import megabytes, parse_budget, resident
+    from assistgen.backends.budget import megabytes, resident
     from assistgen.backends.embedded import say
 
-    target = {**loading(args), **(extra or {}), "calibration": calibration}  # (`extra`: the target's options a
-    # command adds)
+    target = load_settings(args, extra=extra)  # (`extra`: the target's options a command adds)
+    fast = {"fast_linear": False} if getattr(args, "no_fast_linear", False) else {}
     if not args.assistant:
-        return load_model(args.model, **target), None
+        return load_model(args.model, settings=target, calibration=calibration, **fast), None
     before = resident()
-    assistant = load_model(args.assistant, **loading(args, assistant=True), calibration=calibration)
-    if "max_memory" in target:
-        budget = parse_budget(target["max_memory"])
+    assistant = load_model(args.assistant, settings=load_settings(args, assistant=True), calibration=calibration,
+                           **fast)
+    if target.max_memory is not None:
+        budget = target.max_memory
         after = resident()  # (its load ran passes: every weight it reads is resident, in its file's pages or copied)
         kept = max(0, after["anon"] + after["file"] - before["anon"] - before["file"])
         if budget <= kept:
             raise ConfigError(f"--max-memory {megabytes(budget)} leaves nothing for the target: the assistant "
                               f"{args.assistant} keeps {megabytes(kept)} resident. Give more, or a smaller assistant.")
-        target["max_memory"] = budget - kept
+        target = target.with_budget(budget - kept)
         say(f"--max-memory {megabytes(budget)}: the assistant {args.assistant} keeps {megabytes(kept)} resident; the "
             f"target {args.model} gets {megabytes(budget - kept)}.")
-    return load_model(args.model, **target), assistant
+    return load_model(args.model, settings=target, calibration=calibration, **fast), assistant
 
 
 def settings_from(args: argparse.Namespace) -> dict:

@@ -5,7 +5,7 @@ generation's `AdaptiveRun`, a `spec.steps.ScheduleRun`. The run picks, before ev
 E(k) / (k*c + v[k]) (`gain.py`) from online acceptance estimates (`acceptance.Acceptance`, per draft source),
 drafter costs c per token and the target's verification costs v (`costs.PassCosts`, followed online by
 `online.OnlineCosts`). It reads of a drafter only what the `Drafter` protocol declares (`name`, `model`,
-`acceptance_prior`), and of a model only what the backend seam declares (`weight_bytes`, `max_memory`, its
+`acceptance_prior`), and of a model only what the backend seam declares (`weight_bytes`, `capabilities`, its
 measured costs). For a greedy generation on an offloaded target it carries the alternatives extension
 (`alternatives.AlternativesRun`); otherwise `alternatives` is None.
 
@@ -68,7 +68,7 @@ class Adaptive:
     # c assumed for a model drafter before it is measured (and throughout a sampled generation); None: `cost_hint`
     drafter_cost_prior: float | None = None
     # Other drafters' drafts verified beside a sequence's own, each in a fork of its cache (greedy only), at most
-    # this many per step (0: never), for a target whose weights are offloaded (`max_memory`), and only where
+    # this many per step (0: never), for a target whose weights are offloaded (`capabilities`), and only where
     # verifying max_k tokens costs at most `flat` plain steps. (Elsewhere a flat curve is no sign of free rows: the
     # torch backend's forks copy the cache, which the step's price leaves out.)
     alternatives: int = 3
@@ -127,7 +127,7 @@ class AdaptiveRun:
             self.measured = pass_costs(target)
         if measure:
             self.online = OnlineCosts(self.measured, decay=1.0 - settings.cost_weight)
-        if measure and settings.alternatives > 0 and getattr(target, "max_memory", None):  # weights streamed
+        if measure and settings.alternatives > 0 and target is not None and target.capabilities.offloaded:
             self.alternatives = AlternativesRun(self)
         for drafter in drafters:
             self.drafter_cost.setdefault(drafter.name, prior_cost(drafter, target, settings.drafter_cost_prior))
@@ -296,9 +296,9 @@ def prior_cost(drafter: Drafter, target: LanguageModel | None, drafter_cost_prio
 
 def cost_hint(drafter: Drafter, target: LanguageModel) -> float:
     """A model drafter's cost per token before it is measured: its model's share of the target's weight bytes, or,
-    for a target whose weights are offloaded (`max_memory`: its passes take the time of reading them from their file,
+    for a target whose weights are offloaded (`capabilities`: its passes take the time of reading them from their file,
     which a resident drafter does not pay), its measured plain-step time over the target's where both were measured."""
-    if getattr(target, "max_memory", None):
+    if target.capabilities.offloaded:
         mine, theirs = plain_seconds(drafter.model.costs), plain_seconds(target.costs)
         if mine and theirs:
             return mine / theirs

@@ -1,7 +1,7 @@
 """Alternatives: other drafters' drafts verified beside a sequence's own, where the extra rows cost nearly nothing.
 
 Contract: where a pass costs about the same for 1 and 17 rows because the target's weights stream from their file
-(`max_memory`), the drafts of the drafters after the one that drafted (another source's guess at the same tokens)
+(offloaded), the drafts of the drafters after the one that drafted (another source's guess at the same tokens)
 are verified beside it, each in a fork of the sequence's cache, and the loop keeps the draft accepted furthest.
 Only greedy generations do this (the kept draft is then the target's own tokens whichever wins), and only while
 the step's pricing (`StepPlan`: the expected tokens against the rows' cost) says the extra rows bring more tokens

@@ -103,7 +103,7 @@ def calibrate(model, refresh: bool = False, later: bool = False) -> PassCosts:
     nothing is on disk, a provisional curve now (`quick_costs`, a few passes) and the full measurement left to a
     `Calibration` in `pending()`, which a server runs while it is idle (an offloaded model is measured now)."""
     path = costs_path(model)
-    if later and not model.max_memory:
+    if later and not model.capabilities.offloaded:
         record = None if refresh else recalled(path, REQUIRED)
         if record is None:
             model.costs = quick_costs(model)
@@ -142,11 +142,11 @@ def quick_costs(model) -> PassCosts:
 
 def measurement_stages(model) -> list[Callable[[], Generator]]:
     """The cost measurement as stages, each a generator of timed passes (`backends.measure`) whose value is its
-    times: one sequence's curve, its wider passes, the batched passes. Under a memory budget (`max_memory`)
+    times: one sequence's curve, its wider passes, the batched passes. Offloaded (`capabilities.offloaded`),
     every pass reads the weights from their file (seconds each on a large model), so fewer are timed: the row
     counts of `SPARSE_ROWS` once each after a warm-up, the curve linear between them; the policy follows the
     passes' real times online anyway (`online.OnlineCosts`)."""
-    if model.max_memory:
+    if model.capabilities.offloaded:
         return [lambda: step_time_pieces(model, rows=list(SPARSE_ROWS), repeats=1),
                 lambda: step_time_pieces(model, repeats=1, rows=list(WIDE_ROWS)),
                 lambda: batch_step_pieces(model, repeats=1)]
@@ -157,7 +157,7 @@ def measurement_stages(model) -> list[Callable[[], Generator]]:
 
 def costs_record(model, times: list[float], wide: list[float], batch: tuple[float, float, float]) -> dict:
     """The saved record of a measurement's stages' times."""
-    if model.max_memory:
+    if model.capabilities.offloaded:
         times = interpolated(times, SPARSE_ROWS)
     one, apart, two = batch
     return {"model": model.name, "measured": time.strftime("%Y-%m-%d %H:%M"),

@@ -23,7 +23,7 @@ import importlib.util
 from dataclasses import replace
 from pathlib import Path
 
-from assistgen.backends.budget import check_model_budget, parse_budget, resident
+from assistgen.backends.budget import check_model_budget, resident
 from assistgen.backends.embedded import EMBEDDED, ModelLoadError, say
 from assistgen.backends.llamacpp.convert import converted_gguf
 from assistgen.backends.llamacpp.model import DEFAULT_CONTEXT, LlamaModel, LlamaSettings, cell_bytes, kernel_switch
@@ -52,9 +52,7 @@ def gguf_file(spec: str) -> Path | None:
 
 
 def load(spec: str, settings: LlamaSettings | None = None) -> LlamaModel:
-    settings = settings or LlamaSettings()
-    if settings.max_memory is not None:
-        settings = replace(settings, max_memory=parse_budget(settings.max_memory), repack=False)
+    settings = settings or LlamaSettings()  # (parsed: `backends.settings.LoadSettings.llama_settings`)
     lib = library()
     path, source = gguf_file(spec.strip()), None
     if path is None:  # a transformers folder or hub id: converted (and quantized) on first use

@@ -112,7 +112,8 @@ class LlamaModel:
         self._lock = _LOCK
         self._switch = kernel_switch(lib)
         reason = inexact_reason(self._switch, settings)  # "" exactly when row_exact
-        self.capabilities = Capabilities(exact=not reason, inexact_reason=reason)
+        self.capabilities = Capabilities(exact=not reason, inexact_reason=reason,
+                                         offloaded=settings.max_memory is not None)
         if reason:
             warn_inexact(reason)
         self._batch = _Batch(lib, self._n_batch)

@@ -22,15 +22,13 @@ from urllib.parse import urlparse
 
 import torch
 
-from assistgen.backends.budget import parse_budget, resident
+from assistgen.backends.budget import resident
 from assistgen.backends.embedded import EMBEDDED, EmbeddedModel, ModelLoadError
 from assistgen.backends.embedded import say as _say
 from assistgen.backends.torch import offload
 from assistgen.backends.torch.devices import DeviceError, resolve_device
 from assistgen.backends.torch.model import Model
 from assistgen.paths import cache_root, replaced_atomically, safe_name
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the names --dtype takes
 
 
 def converted_dir(alias: str) -> Path:
@@ -46,7 +44,7 @@ def load(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     quantize: str | None = None,
-    max_memory: int | str | None = None,
+    max_memory: int | None = None,
 ) -> Model:
     """Load `spec`: an embedded alias, a `.gguf` file, a local model folder or a hub id.
 
@@ -54,7 +52,7 @@ def load(
     PyTorch build has none is refused, naming the fix); the model is moved there after loading.
     `quantize` ("int8" | "int4" | None): weight-only quantization (`quantize.py`, CPU only); the quantized
     model is cached on disk, so later loads read it directly and never hold float weights.
-    `max_memory` (bytes or text, `backends.budget`): offloaded weights (`offload.py`): on the CPU the weights stay
+    `max_memory` (bytes): offloaded weights (`offload.py`): on the CPU the weights stay
     file-backed and the budget is checked against what must stay resident; on a GPU, layers beyond the budget stay
     in CPU memory and are moved to the GPU per forward pass.
     Loading only: the optimization step (`transforms.optimize`) and the policy's measurements are separate
@@ -75,7 +73,7 @@ def load(
         raise ModelLoadError(f"quantize={scheme!r} runs on PyTorch's CPU kernels (int4 packing has no GPU form here, "
                              "and int8 is checked row-independent on the CPU only): load it with device='cpu', or "
                              f"on {device} drop quantize and load bfloat16 weights (dtype=torch.bfloat16).")
-    budget = parse_budget(max_memory) if max_memory is not None else None
+    budget = max_memory  # (parsed into bytes: `backends.settings`)
     before = resident()
     source = _source(spec)
     offloaded = budget is not None and place.type != "cpu"

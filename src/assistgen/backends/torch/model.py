@@ -38,12 +38,16 @@ class Model:
     routes: dict | None = None  # the small-row linear routes' record (`transforms.tune_routes`), when applied
     costs: Any = None  # the policy's measurements (`policy.costs.PassCosts`); the backend never reads it
     max_memory: int | None = None  # the budget its weights were offloaded under (`offload.py`), bytes; None: none
-    capabilities: Capabilities = field(init=False)
+    has_layers: bool = field(init=False)  # its decoder layers are found (`layers.py`): early exit can run
     backend = "torch"
     max_sequences = None  # each cache has buffers of its own
 
     def __post_init__(self):
-        self.capabilities = Capabilities(first_layers=layers.has_decoder_layers(self.hf))
+        self.has_layers = layers.has_decoder_layers(self.hf)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(first_layers=self.has_layers, offloaded=self.max_memory is not None)
 
     @property
     def config(self):
