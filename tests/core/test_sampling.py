@@ -15,12 +15,12 @@ import itertools
 
 import pytest
 import torch
-from helpers import broken_residual_from_p, char_tokenizer, tiny_llama
+from helpers import char_tokenizer, tiny_llama
 from scipy.stats import chisquare
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-import assistgen.core.engine
 import assistgen.core.sampling
+import assistgen.core.verify
 from assistgen import Adaptive, Constant, generate
 from assistgen.backends.torch.model import Model
 
@@ -165,26 +165,37 @@ def test_direct_sampling_matches_too(models):
     assert pair_pvalue(counts, exact_distribution(target, temperature=1.0)) > 0.001
 
 
-def broken_accept_if_likely(p, q, draft, sampler, rejected=None):
+# Broken rules, put in the loop's verification (`core.verify`) piece by piece: the acceptance decision, the
+# distribution a stop draws from, the draft probabilities read.
+
+
+def residual_from_p(p, q, draft, at, rejected=None):
+    """A classic bug: on rejection draw from p instead of the residual norm(max(p - q, 0))."""
+    return p[at]
+
+
+def accept_if_likely(p_x, q_x, sampler):
     """Accept-if-likely: keep a draft token whenever p(x) >= q(x), never randomly."""
-    for i, x in enumerate(draft):
-        if float(p[i, x]) >= float(q[i, x]):
-            continue
-        return i, sampler.draw(assistgen.core.sampling.residual(p[i], q[i], x))
-    return len(draft), sampler.draw(p[len(draft)])
+    for i, (p_i, q_i) in enumerate(zip(p_x, q_x, strict=True)):
+        if p_i < q_i:
+            return i, True
+    return len(p_x), True
 
 
-def broken_later_positions(p, q, draft, sampler, rejected=None):
+def first_row_of_q(piece):
     """An indexing bug invisible at the first draft position: positions 2.. are judged against q's first row."""
-    if q is not None and len(draft) > 1:
-        q = q[:1].expand(len(draft), -1)
-    return assistgen.core.sampling.verify_speculative(p, q, draft, sampler)
+    def broken(p, q, draft, *args):
+        if q is not None and len(draft) > 1:
+            q = q[:1].expand(len(q), -1)
+        return piece(p, q, draft, *args)
+    return broken
 
 
-@pytest.mark.parametrize("broken", [broken_residual_from_p, pytest.param(broken_accept_if_likely, marks=SLOW)])
-def test_the_test_detects_a_broken_acceptance_rule(models, far_assistant, monkeypatch, broken):
+@pytest.mark.parametrize("piece,broken", [("stop_distribution", residual_from_p),
+                                          pytest.param("accepted_count", accept_if_likely, marks=SLOW)])
+def test_the_test_detects_a_broken_acceptance_rule(models, far_assistant, monkeypatch, piece, broken):
     target, _ = models
-    monkeypatch.setattr(assistgen.core.engine, "verify_speculative", broken)
+    monkeypatch.setattr(assistgen.core.verify, piece, broken)
     counts, _ = sample(target, SAMPLES, assistant=far_assistant, schedule=Constant(3), temperature=1.0)
     assert pair_pvalue(counts, exact_distribution(target, temperature=1.0)) < 0.001
 
@@ -192,7 +203,8 @@ def test_the_test_detects_a_broken_acceptance_rule(models, far_assistant, monkey
 @SLOW
 def test_the_test_detects_a_bug_beyond_the_first_draft_position(models, monkeypatch):
     target, assistant = models
-    monkeypatch.setattr(assistgen.core.engine, "verify_speculative", broken_later_positions)
+    for piece in ("draft_probabilities", "stop_distribution"):
+        monkeypatch.setattr(assistgen.core.verify, piece, first_row_of_q(getattr(assistgen.core.verify, piece)))
     counts, checks = sample(target, SAMPLES, assistant=assistant, schedule=Constant(3), temperature=1.0)
     assert min(checks[:3]) >= 300
     assert pair_pvalue(counts, exact_distribution(target, temperature=1.0)) < 0.001

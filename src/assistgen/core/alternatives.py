@@ -3,15 +3,18 @@
 Contract: where a generation's schedule run carries the alternatives extension (`ScheduleRun.alternatives`, a
 `policy.alternatives.AlternativesRun`: greedy, an offloaded target), `add_alternatives` asks the drafters after the
 one that drafted for alternative drafts and forks the generation's cache for those worth verifying in the step's
-pass; after the pass, `keep_furthest` keeps the draft the target accepted furthest (the target's own greedy tokens
-whichever wins). Runs without the extension are left alone: the step is then what it is without alternatives.
+pass (the plans it returns carry them); after the pass, `keep_furthest` keeps the draft the target accepted
+furthest (the target's own greedy tokens whichever wins). Runs without the extension are left alone:
+the step is then what it is without alternatives.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from assistgen.backends.base import shared_prefix
+from assistgen.core.plan import Alternative, Planned
 from assistgen.core.sampling import verify_greedy
-from assistgen.core.state import Alternative, GenerationState
 from assistgen.policy.alternatives import StepPlan
 from assistgen.policy.costs import PassCosts
 from assistgen.policy.gain import alternative_gain, merged_reach
@@ -19,33 +22,32 @@ from assistgen.spec.drafts import Draft, Proposal
 from assistgen.spec.steps import StepOutcome
 
 
-def add_alternatives(decoding: list[GenerationState], prefill_rows: int, costs: PassCosts | None) -> None:
-    """Ask the drafters after the one that drafted (and those not asked) for alternative drafts, and fork each
-    generation's cache for those worth verifying in this pass: as many tokens as the schedule says raise the step's
-    expected tokens per unit of time (`AlternativesRun.k` before drafting, `length` after), at
+def add_alternatives(decoding: list[Planned], prefill_rows: int, costs: PassCosts | None) -> list[Planned]:
+    """The plans with the alternative drafts worth verifying in this pass, from the drafters after the one that
+    drafted (and those not asked), each in a fork of its generation's cache: as many tokens as the schedule says
+    raise the step's expected tokens per unit of time (`AlternativesRun.k` before drafting, `length` after), at
     most `Adaptive.alternatives` of them. Greedy generations without a grammar only; none when a fork cannot be made
     (the backend's sequences are all in use)."""
-    for s in decoding:
-        s.alternatives = []
-    if costs is None or all(s.run.alternatives is None for s in decoding):
-        return
-    bests = [s.run.alternatives.reach(s.proposal.draft, s.proposal.drafter, s.verified)
-             if s.run.alternatives is not None else [] for s in decoding]
+    if costs is None or all(p.state.run.alternatives is None for p in decoding):
+        return decoding
+    bests = [p.state.run.alternatives.reach(p.proposal.draft, p.proposal.drafter, p.verified)
+             if p.state.run.alternatives is not None else [] for p in decoding]
     # (each generation emits the target's own token and its draft's expected accepted ones)
     plan = StepPlan(costs, len(decoding) + (1 if prefill_rows else 0), len(decoding) + prefill_rows,
-                    sum(s.verified for s in decoding), sum(1.0 + sum(best) for best in bests))
-    for s, best in zip(decoding, bests, strict=True):
-        if s.run.alternatives is not None and s.config.greedy and s.constraint is None:
-            find_alternatives(s, best, plan)
+                    sum(p.verified for p in decoding), sum(1.0 + sum(best) for best in bests))
+    return [replace(p, alternatives=find_alternatives(p, best, plan))
+            if p.state.run.alternatives is not None and p.state.config.greedy and p.state.constraint is None else p
+            for p, best in zip(decoding, bests, strict=True)]
 
 
-def find_alternatives(s: GenerationState, best: list[float], plan: StepPlan) -> None:
+def find_alternatives(planned: Planned, best: list[float], plan: StepPlan) -> tuple[Alternative, ...]:
     """`add_alternatives` for one generation; best[i-1]: the chance its own draft's accepted run reaches i tokens."""
-    verified, alternatives = [s.proposal.draft.tokens[: s.verified]], s.run.alternatives
+    s, proposal = planned.state, planned.proposal
+    verified, alternatives, found = [proposal.draft.tokens[: planned.verified]], s.run.alternatives, []
     for drafter in s.drafters:
-        if drafter.name == s.proposal.drafter or drafter.name in s.proposal.empty:
+        if drafter.name == proposal.drafter or drafter.name in proposal.empty:
             continue
-        k = alternatives.k(drafter, best, plan, s.room, len(s.alternatives))
+        k = alternatives.k(drafter, best, plan, s.room, len(found))
         if k <= 0:
             continue
         start = s.cache.clock()
@@ -60,34 +62,34 @@ def find_alternatives(s: GenerationState, best: list[float], plan: StepPlan) -> 
         try:
             fork = s.cache.fork()
         except ValueError:  # (no sequence left for it on the backend: verify without it)
-            return
+            break
         draft = Draft(draft.tokens[:n], None, draft.forward_passes, draft.source or drafter.name)
-        s.alternatives.append(Alternative(Proposal(draft, drafter.name, seconds, seconds, draft.forward_passes),
-                                          fork))
+        found.append(Alternative(Proposal(draft, drafter.name, seconds, seconds, draft.forward_passes), fork))
         verified.append(draft.tokens)
         other = alternatives.reach(draft, drafter.name, n)
         plan.add(alternative_gain(best, other, shared), n)
         best = merged_reach(best, other, shared)
+    return tuple(found)
 
 
-def keep_furthest(s: GenerationState, logits, others: list) -> tuple[object, list[StepOutcome], bool]:
-    """Of the generation's draft and its alternatives (verified in the same pass: `logits` [verified+1, vocab] and
-    each alternative's), keep the one whose draft the target accepts furthest (ties: the generation's own): its
-    proposal becomes the generation's. Returns the kept logits, the others' outcomes (their acceptance is learnt by
-    the schedule after the step) and whether the kept one was an alternative. The generation keeps its own cache,
-    and the forks are dropped: an alternative's accepted tokens are fed again in the next pass (`unfed`), so that the
-    cache holds every token in the order it was written, as when fed alone (llama.cpp's attention sums over its
-    cells in their order, and a fork's cells lie after the sequence's own draft cells, which are given back)."""
-    candidates = [(s.proposal, s.verified, logits)]
-    candidates += [(a.proposal, len(a.proposal.draft.tokens), rows) for a, rows in zip(s.alternatives, others,
+def keep_furthest(planned: Planned, logits, others: list) -> tuple[Planned, object, list[StepOutcome], bool]:
+    """Of the generation's draft and its alternatives (verified in the same pass: `logits` [verified+1, vocab] and each
+    alternative's), keep the one whose draft the target accepts furthest (ties: the generation's own). Returns the
+    plan with the kept proposal (and no alternatives left), its logits, the others' outcomes (their acceptance is
+    learnt by the schedule after the step) and whether the kept one was an alternative. The generation keeps its own
+    cache, and the forks are dropped: an alternative's accepted tokens are fed again in the next pass (`unfed`), so
+    that the cache holds every token in the order it was written, as when fed alone (llama.cpp's attention sums over
+    its cells in their order, and a fork's cells lie after the sequence's own draft cells, which are given back)."""
+    s = planned.state
+    candidates = [(planned.proposal, planned.verified, logits)]
+    candidates += [(a.proposal, len(a.proposal.draft.tokens), rows) for a, rows in zip(planned.alternatives, others,
                                                                                         strict=True)]
     judged = [verify_greedy(rows, p.draft.tokens[:n]) for p, n, rows in candidates]
     kept = max(range(len(candidates)), key=lambda i: (judged[i][0], -i))
     losers = [StepOutcome(p.draft, p.drafter, n, judged[i][0], judged[i][1], p.seconds)
               for i, (p, n, _) in enumerate(candidates) if i != kept]
     if kept:  # the cache keeps what it shares with the kept tokens
-        s.cache.crop(len(s.ids) + shared_prefix(s.proposal.draft.tokens[: s.verified],
+        s.cache.crop(len(s.ids) + shared_prefix(planned.proposal.draft.tokens[: planned.verified],
                                                 candidates[kept][0].draft.tokens[: judged[kept][0]]))
-    s.proposal, s.verified, logits = candidates[kept]
-    s.alternatives = []
-    return logits, losers, kept > 0
+    proposal, verified, logits = candidates[kept]
+    return replace(planned, proposal=proposal, verified=verified, alternatives=()), logits, losers, kept > 0

@@ -32,6 +32,7 @@ generation's cache is still filled in order (the kept draft's tokens are fed aga
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 from assistgen.backends.base import Cache, LanguageModel
 from assistgen.config import ConfigError, GenerationConfig
@@ -39,10 +40,11 @@ from assistgen.core.alternatives import add_alternatives, keep_furthest
 from assistgen.core.constraint import Constraint
 from assistgen.core.grammar import GrammarDrafter
 from assistgen.core.logprobs import token_logprobs
+from assistgen.core.plan import Planned, StepPlan
 from assistgen.core.prefix import PrefixCache
-from assistgen.core.sampling import verify_greedy, verify_speculative
 from assistgen.core.state import Chunk, GenerationState
 from assistgen.core.text import TextStream
+from assistgen.core.verify import Verdict, Verification, verify_all
 from assistgen.drafters.base import drafters_of
 from assistgen.policy.costs import PassCosts, pass_costs
 from assistgen.policy.lengths import verified_lengths
@@ -103,49 +105,50 @@ def step(states: list[GenerationState], prefill_budget: int | None = None) -> li
     (None: every whole prompt), given to the earliest first, so that joining requests never stall the running
     ones for more than a pass over that many rows. A prefilling generation that gets none waits (its chunk None)."""
     target, clock = states[0].target, states[0].cache.clock
+    plan = plan_step(states, prefill_budget)
+    feeds = plan.feeds()
+    t = clock()
+    logits = target.feed_together(feeds)  # per generation [keep, vocab] (decoding, prefilling), then alternatives'
+    elapsed = clock() - t
+    decoding, prefill = plan.decoding, plan.prefill
+    own, other_logits = logits[: len(decoding)], iter(logits[len(decoding) + len(prefill):])
+    for (s, ids), rows in zip(prefill, logits[len(decoding):], strict=False):
+        s.stats.prefill_s += elapsed
+        s.stats.target_forward_passes += 1
+        if s.config.prompt_logprobs is not None:
+            record_prompt_logprobs(s, rows, len(ids))
+    fed, rows_in_all = len(decoding) + len(prefill), sum(len(ids) for _, ids, _ in feeds)
+    costs = plan.costs if plan.costs is not None or fed == 1 else pass_costs(target)  # (fixed rules only: the
+    # target's own costs share out the step's time)
+    kept = []  # (plan with the kept draft, its rows [verified+1, vocab], the other drafts' outcomes, kept another's)
+    for p, rows in zip(decoding, own, strict=True):
+        share = elapsed if fed == 1 else elapsed * time_share(p.rows, fed, rows_in_all, costs)
+        rows, lost, switched = rows[len(rows) - p.verified - 1:], [], False
+        if p.alternatives:
+            others = [r[len(r) - len(a.proposal.draft.tokens) - 1:] for a, r in zip(p.alternatives, other_logits,
+                                                                                    strict=False)]
+            p, rows, lost, switched = keep_furthest(p, rows, others)
+        if p.state.constraint is not None:
+            rows = p.state.constraint.mask(rows)
+        kept.append((p, rows, share, lost, switched))
+    verdicts = verify_all([verification(p, rows) for p, rows, *_ in kept])  # one read to the host for the whole step
+    chunks = {id(p.state): accept(p, rows, verdict, share, lost, switched)
+              for (p, rows, share, lost, switched), verdict in zip(kept, verdicts, strict=True)}
+    return [chunks.get(id(s)) for s in states]
+
+
+def plan_step(states: list[GenerationState], prefill_budget: int | None) -> StepPlan:
+    """The step's plan, phase by phase: the prompt chunks, each decoding generation's draft, how much of each is
+    verified (for the whole step at once), the grammar's cut, then the alternatives verified beside them."""
     decoding = [s for s in states if not s.prefilling]
     prefill = prefill_rows([s for s in states if s.prefilling], prefill_budget)
-    for s in decoding:
-        draft_for(s)
+    planned = [draft_for(s) for s in decoding]
     costs = step_costs(decoding)
-    choose_verified(decoding, sum(len(r) for r in prefill.values()), costs)
-    for s in decoding:
-        if s.constraint is not None:
-            constrain(s)
-    add_alternatives(decoding, sum(len(r) for r in prefill.values()), costs)
-    fed = decoding + [s for s in states if prefill.get(id(s))]
-    # A decoding generation's rows all keep their logits (so that every row is verified alike: a backend may compute
-    # rows without logits another way, `LlamaModel.feed_together`); its last verified + 1 are read.
-    feeds = [(s.cache, ids, len(ids)) for s in decoding for ids in [s.unfed + s.proposal.draft.tokens[: s.verified]]]
-    feeds += [(s.cache, prefill[id(s)], len(prefill[id(s)]) if s.config.prompt_logprobs is not None else 1)
-              for s in fed[len(decoding):]]
-    others = [(a.cache, ids, len(ids)) for s in decoding for a in s.alternatives
-              for ids in [s.unfed + a.proposal.draft.tokens]]
-    mine = {id(s): rows_fed(s) for s in decoding}
-    t = clock()
-    logits = target.feed_together(feeds + others)  # per generation [keep, vocab], then per alternative
-    elapsed = clock() - t
-    logits, other_logits = logits[: len(feeds)], iter(logits[len(feeds):])
-    rows_in_all = sum(len(ids) for _, ids, _ in feeds + others)
-    if len(fed) > 1 and costs is None:
-        costs = pass_costs(target)  # only fixed rules this step: the target's own costs share out its time
-    chunks: dict[int, Chunk] = {}
-    for s, rows in zip(fed, logits, strict=True):
-        if id(s) in prefill:  # (it may have just finished its prompt)
-            s.stats.prefill_s += elapsed
-            s.stats.target_forward_passes += 1
-            if s.config.prompt_logprobs is not None:
-                record_prompt_logprobs(s, rows, len(prefill[id(s)]))
-        else:
-            share = elapsed if len(fed) == 1 else elapsed * time_share(mine[id(s)], len(fed), rows_in_all, costs)
-            rows = rows[len(rows) - s.verified - 1:]  # [verified+1, vocab]
-            losers, from_alternative = [], False
-            if s.alternatives:
-                rows, losers, from_alternative = keep_furthest(
-                    s, rows, [r[len(r) - len(a.proposal.draft.tokens) - 1:]
-                              for a, r in zip(s.alternatives, other_logits, strict=False)])
-            chunks[id(s)] = accept(s, rows, share, losers, from_alternative)
-    return [chunks.get(id(s)) for s in states]
+    rows = sum(len(r) for r in prefill.values())
+    planned = choose_verified(planned, rows, costs)
+    planned = [constrain(p) if p.state.constraint is not None else p for p in planned]
+    planned = add_alternatives(planned, rows, costs)
+    return StepPlan(tuple(planned), tuple((s, prefill[id(s)]) for s in states if prefill.get(id(s))), costs)
 
 
 PROMPT_ALIGN = 16  # a prompt chunk that does not end the prompt is a multiple of this many rows
@@ -178,13 +181,14 @@ def record_prompt_logprobs(s: GenerationState, rows, fed: int) -> None:
                                                                    s.config.prompt_logprobs, probabilities=False)
 
 
-def draft_for(s: GenerationState) -> None:
-    """Ask the generation's drafters for this step's draft, as many tokens as its schedule wants and can be used."""
+def draft_for(s: GenerationState) -> Planned:
+    """The generation's plan with this step's draft: as many tokens as its schedule wants and can be used."""
     room = s.room
-    s.proposal = first_draft(s.drafters, s.ids, lambda d: min(s.run.next_k(d), room), s.sampler,
-                             s.run.min_confidence, s.cache.clock)
-    s.stats.draft_forward_passes += s.proposal.forward_passes
-    s.stats.draft_s += s.proposal.total_seconds
+    proposal = first_draft(s.drafters, s.ids, lambda d: min(s.run.next_k(d), room), s.sampler, s.run.min_confidence,
+                           s.cache.clock)
+    s.stats.draft_forward_passes += proposal.forward_passes
+    s.stats.draft_s += proposal.total_seconds
+    return Planned(s, proposal)
 
 
 def step_costs(decoding: list[GenerationState]) -> PassCosts | None:
@@ -192,27 +196,22 @@ def step_costs(decoding: list[GenerationState]) -> PassCosts | None:
     return next((s.run.costs for s in decoding if s.run.costs is not None), None)
 
 
-def choose_verified(decoding: list[GenerationState], prefill_rows: int, costs: PassCosts | None) -> None:
+def choose_verified(planned: list[Planned], prefill_rows: int, costs: PassCosts | None) -> list[Planned]:
     """How many of each draft the step verifies: the most tokens per unit of time for the whole step
-    (`schedules.verified_lengths`, over `gain.lookahead`)."""
-    chosen = verified_lengths([s.run for s in decoding], [s.proposal.draft for s in decoding],
-                              [s.proposal.drafter for s in decoding], [s.room for s in decoding], costs, prefill_rows)
-    for s, n in zip(decoding, chosen, strict=True):
-        s.verified = n
+    (`lengths.verified_lengths`, over `gain.lookahead`)."""
+    chosen = verified_lengths([p.state.run for p in planned], [p.proposal.draft for p in planned],
+                              [p.proposal.drafter for p in planned], [p.state.room for p in planned], costs,
+                              prefill_rows)
+    return [replace(p, verified=n) for p, n in zip(planned, chosen, strict=True)]
 
 
-def constrain(s: GenerationState) -> None:
-    """Cut the verified draft at the first token the grammar forbids. That token has probability 0 under the
+def constrain(p: Planned) -> Planned:
+    """The verified draft cut at the first token the grammar forbids. That token has probability 0 under the
     masked target, so verifying it would reject it for sure: the loop treats it as that rejection (`forbidden`;
     when sampling, the next token then comes from the residual norm(max(p - q, 0)) at its position, as it would
     have). The number verified was chosen before the cut, from the draft alone, so the cut changes no choice."""
-    s.verified, s.forbidden = s.constraint.check(s.proposal.draft.tokens[: s.verified])
-
-
-def rows_fed(s: GenerationState) -> int:
-    """The rows a decoding generation feeds this step: its unfed tokens and verified draft, and each alternative's."""
-    unfed = len(s.unfed)
-    return unfed + s.verified + sum(unfed + len(a.proposal.draft.tokens) for a in s.alternatives)
+    verified, forbidden = p.state.constraint.check(p.proposal.draft.tokens[: p.verified])
+    return replace(p, verified=verified, forbidden=forbidden)
 
 
 def time_share(mine: int, sequences: int, rows: int, costs: PassCosts) -> float:
@@ -221,18 +220,26 @@ def time_share(mine: int, sequences: int, rows: int, costs: PassCosts) -> float:
     return min(1.0, costs.rows(mine) / costs.batch(sequences, rows))
 
 
-def accept(s: GenerationState, logits, verify_s: float, losers: list[StepOutcome] = (),
+def verification(p: Planned, logits) -> Verification:
+    """What judging the plan's draft needs: the target's rows [verified+1, vocab] (masked), the verified tokens, the
+    sampler, the draft's q rows for them (and for the forbidden token after them)."""
+    draft, n = p.proposal.draft, p.verified
+    rows = n + (p.forbidden is not None)
+    q = None if draft.probs is None or p.state.sampler.greedy else draft.probs[:rows]
+    return Verification(logits, draft.tokens[:n], p.state.sampler, q, p.forbidden)
+
+
+def accept(p: Planned, logits, verdict: Verdict, verify_s: float, losers: list[StepOutcome] = (),
            from_alternative: bool = False) -> Chunk:
-    """Verify the generation's draft against the target's logits [verified+1, vocab], roll back, emit; `losers`: the
-    drafts verified beside it and not kept (`keep_furthest`; `from_alternative`: the kept one was one of those)."""
-    n, draft = s.verified, s.proposal.draft
-    if s.constraint is not None:
-        logits = s.constraint.mask(logits)  # [n+1, vocab]
-    accepted, token, p = verify(logits, draft, n, s.sampler, s.forbidden)
+    """Take the verdict on the plan's draft (the target's logits [verified+1, vocab] it was judged on): roll back,
+    update the generation's state, emit; `losers`: the drafts verified beside it and not kept (`keep_furthest`;
+    `from_alternative`: the kept one was one of those)."""
+    s, n, draft = p.state, p.verified, p.proposal.draft
+    accepted, token, probs = verdict.accepted, verdict.token, verdict.p
     s.stats.verify_s += verify_s
     s.cache.crop(min(len(s.cache), len(s.ids) + accepted))  # roll back the rejected draft positions
-    s.drafter.observe(accepted, p)
-    s.run.update(StepOutcome(draft, s.proposal.drafter, n, accepted, token, s.proposal.seconds, verify_s,
+    s.drafter.observe(accepted, probs)
+    s.run.update(StepOutcome(draft, p.proposal.drafter, n, accepted, token, p.proposal.seconds, verify_s,
                              len(losers), sum(o.verified for o in losers), from_alternative))
     for outcome in losers:
         s.run.alternatives.learn(outcome)
@@ -244,7 +251,8 @@ def accept(s: GenerationState, logits, verify_s: float, losers: list[StepOutcome
         s.constraint.advance(new)
     logprobs = None
     if s.config.logprobs is not None:  # row i of the verification chose new[i]
-        logprobs = token_logprobs(logits if p is None else p, new, s.config.logprobs, probabilities=p is not None)
+        logprobs = token_logprobs(logits if probs is None else probs, new, s.config.logprobs,
+                                  probabilities=probs is not None)
     s.ids.extend(new)
     s.stats.new_tokens += len(new)
     if finish is None and len(s.ids) >= s.context:
@@ -263,20 +271,16 @@ def accept(s: GenerationState, logits, verify_s: float, losers: list[StepOutcome
 
 
 def verify(logits, draft, n: int, sampler: Sampler, forbidden: int | None = None):
-    """Judge the first n draft tokens against the target's logits [n+1, vocab] over [last token, d_1..d_n];
-    `forbidden`: draft token n + 1, which the grammar rejects (None: none follows, or it is not judged).
+    """Judge the first n draft tokens against the target's logits [n+1, vocab] over [last token, d_1..d_n] (one
+    generation's `verify_all`); `forbidden`: draft token n + 1, which the grammar rejects (None: none follows, or it
+    is not judged).
 
     Returns (accepted draft tokens, next token, p [n+1, vocab] when sampling else None).
     """
-    tokens = draft.tokens[:n]
-    if sampler.greedy:
-        accepted, token = verify_greedy(logits, tokens)
-        return accepted, token, None
-    p = sampler.probs(logits)
     rows = n + (forbidden is not None)  # q's rows for the judged tokens
-    q = None if draft.probs is None else draft.probs[:rows]
-    accepted, token = verify_speculative(p, q, tokens, sampler, rejected=forbidden)
-    return accepted, token, p
+    q = None if draft.probs is None or sampler.greedy else draft.probs[:rows]
+    verdict = verify_all([Verification(logits, draft.tokens[:n], sampler, q, forbidden)])[0]
+    return verdict.accepted, verdict.token, verdict.p
 
 
 def apply_stops(

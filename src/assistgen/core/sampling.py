@@ -29,10 +29,16 @@ def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> tuple[int, i
     Returns (number of accepted draft tokens, the token the target emits after them).
     """
     choice = target_logits.argmax(dim=-1).tolist()  # [k+1]
+    accepted = greedy_accepted(choice, draft)
+    return accepted, choice[accepted]
+
+
+def greedy_accepted(choice: list[int], draft: list[int]) -> int:
+    """How many draft tokens equal the target's choices (its argmax per row), from the first."""
     accepted = 0
     while accepted < len(draft) and draft[accepted] == choice[accepted]:
         accepted += 1
-    return accepted, choice[accepted]
+    return accepted
 
 
 def verify_speculative(
@@ -51,16 +57,41 @@ def verify_speculative(
     """
     if q is not None:
         q = q.to(p.device)  # the same tensor when it is already there
-    for i, x in enumerate(draft):
-        p_x = float(p[i, x])
-        q_x = 1.0 if q is None else float(q[i, x])
-        if q_x > 0 and sampler.uniform() < min(1.0, p_x / q_x):
-            continue
-        return i, sampler.draw(residual(p[i], None if q is None else q[i], x))
+    p_x, q_x = draft_probabilities(p, q, draft)
+    accepted, _ = accepted_count(p_x.tolist(), q_x.tolist(), sampler)
+    return accepted, sampler.draw(stop_distribution(p, q, draft, accepted, rejected))
+
+
+def draft_probabilities(p: torch.Tensor, q: torch.Tensor | None, draft: list[int]):
+    """p_i(x_i) and q_i(x_i) of each draft token x_i ([k], [k] on p's device; q None: one-hot, so 1)."""
+    rows = torch.arange(len(draft), device=p.device)
+    tokens = torch.tensor(draft, dtype=torch.long, device=p.device)
+    p_x = p[rows, tokens]
+    return p_x, (torch.ones_like(p_x) if q is None else q[rows, tokens])
+
+
+def accepted_count(p_x: list[float], q_x: list[float], sampler: Sampler) -> tuple[int, bool]:
+    """The rule's accepted prefix: draft token i is kept with probability min(1, p_x[i] / q_x[i]), one uniform each,
+    until the first rejection. Returns (accepted, whether the stop drew its uniform: False only for a token its
+    drafter gave q = 0, rejected without one)."""
+    for i, (p_i, q_i) in enumerate(zip(p_x, q_x, strict=True)):
+        if q_i <= 0:
+            return i, False
+        if not sampler.uniform() < min(1.0, p_i / q_i):
+            return i, True
+    return len(p_x), True
+
+
+def stop_distribution(p: torch.Tensor, q: torch.Tensor | None, draft: list[int], at: int,
+                      rejected: int | None = None) -> torch.Tensor:
+    """What the token after `at` accepted draft tokens is drawn from [vocab]: the residual norm(max(p - q, 0)) at a
+    rejection (at < k, or at k when `rejected` names the forbidden next token), else the bonus distribution p_k."""
     k = len(draft)
+    if at < k:
+        return residual(p[at], None if q is None else q[at], draft[at])
     if rejected is not None:
-        return k, sampler.draw(residual(p[k], None if q is None else q[k], rejected))
-    return k, sampler.draw(p[k])
+        return residual(p[k], None if q is None else q[k], rejected)
+    return p[k]
 
 
 def residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tensor:
@@ -71,6 +102,5 @@ def residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tenso
     else:
         r = (p - q).clamp_min(0.0)
     total = r.sum()
-    if total <= 0:  # p == q up to rounding: any draw from p is exact
-        return p
-    return r / total
+    return torch.where(total > 0, r / total, p)  # (total 0: p == q up to rounding, and any draw from p is exact;
+    # chosen on the device, so that nothing waits for it)

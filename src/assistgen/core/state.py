@@ -1,21 +1,20 @@
 """One generation between steps, and what a step gives back.
 
 Contract: `GenerationState` is everything one generation carries from step to step (its ids, cache, drafters,
-schedule run, sampler, statistics, grammar) plus the step's own draft (`proposal`, `verified`, `forbidden`,
-`alternatives`: written by the step's phases in `engine.step`, read by the later ones); `Chunk` is what a step
-emits for it. Made by `engine.begin`; nothing here runs a model.
+schedule run, sampler, statistics, grammar), and nothing of one step's (that is the step's plan, `core.plan`);
+`Chunk` is what a step emits for it. Made by `engine.begin`; nothing here runs a model.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from assistgen.backends.base import Cache, LanguageModel
 from assistgen.config import GenerationConfig
 from assistgen.core.constraint import Constraint
 from assistgen.core.logprobs import TokenLogprob
 from assistgen.core.text import TextStream
-from assistgen.spec.drafts import Drafter, Proposal
+from assistgen.spec.drafts import Drafter
 from assistgen.spec.sampling import Sampler
 from assistgen.spec.steps import ScheduleRun
 from assistgen.stats import Stats
@@ -29,14 +28,6 @@ class Chunk:
     stats: Stats | None = None  # the generation's statistics, live; final on the last chunk
     logprobs: list[TokenLogprob] | None = None  # one per token, when the config asks for them
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (the first has none): first chunk only
-
-
-@dataclass
-class Alternative:
-    """Another drafter's draft, verified whole in a fork of the generation's cache in the same pass."""
-
-    proposal: Proposal
-    cache: Cache
 
 
 @dataclass
@@ -58,11 +49,7 @@ class GenerationState:
     started: float
     finish: str | None = None
     constraint: Constraint | None = None  # the grammar the output follows (config.structure), or None
-    proposal: Proposal = field(default_factory=Proposal)  # this step's draft, made by `draft_for`
-    verified: int = 0  # how many of its tokens this step verifies
-    forbidden: int | None = None  # the draft token right after the verified ones, when the grammar forbids it
     prompt_logprobs: list[TokenLogprob] | None = None  # filled by the prefill when the config asks for them
-    alternatives: list[Alternative] = field(default_factory=list)  # other drafts this step verifies beside its own
 
     @property
     def prefilling(self) -> bool:

@@ -1,0 +1,126 @@
+"""A step's verification, every generation of the batch at once, with one read from the device to the host.
+
+Contract: `verify_all(jobs)` judges each `Verification` (a generation's rows [n+1, vocab] over [last token, d_1..d_n],
+masked by its grammar where it has one; its n draft tokens; its sampler; its draft's q; the forbidden token after
+them) by the rules of `sampling.py` and returns a `Verdict` each: accepted draft tokens, the next token, and p
+[n+1, vocab] when sampling. Everything a verdict depends on is computed on the device first (each greedy row's
+argmax; each sampled draft token's p and q) and read to the host in one transfer (`to_host`), where the acceptance
+decisions are taken, drawing the uniforms of the CPU generator in the order `verify_speculative` draws them. The token
+a sampled generation draws where it stops is drawn after that read, from the one position it stopped at, except with
+`EAGER` (default: on a device other than the CPU, where each read waits for the device): then a token is drawn
+beforehand at every position it could stop at, each from the generator state the lazy draw would have used, and read
+with the rest, so that the step reads once; the generators are then left where the lazy draw leaves them, and the
+tokens are the same (a draft token with q = 0 at the stop, which draws no uniform, falls back to the lazy draw).
+Samplers without generators (the enumerated rejection tests' scripted ones) are judged lazily.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from assistgen.core.sampling import accepted_count, draft_probabilities, greedy_accepted, stop_distribution
+from assistgen.spec.sampling import Sampler
+
+
+@dataclass(frozen=True)
+class Verification:
+    logits: torch.Tensor  # [n+1, vocab]: row i predicts the token after draft[:i]
+    tokens: list[int]  # the n draft tokens judged
+    sampler: Sampler
+    q: torch.Tensor | None = None  # [n (+1 with forbidden), vocab] the draft's probabilities; None: one-hot
+    forbidden: int | None = None  # draft token n+1, which the grammar rejects (None: none is judged)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accepted: int
+    token: int
+    p: torch.Tensor | None  # [n+1, vocab] the target's processed probabilities (sampling), None (greedy)
+
+
+@dataclass
+class _Sampled:
+    """A sampled job's device-side work: p, and (eager) the tokens drawn beforehand with the generator states."""
+
+    p: torch.Tensor
+    q: torch.Tensor | None
+    drawn: torch.Tensor | None = None  # [n+1] a token drawn at each position the rule can stop at
+    after: list | None = None  # the device generator's state after each of those draws
+
+
+EAGER: bool | None = None  # draw the stop tokens beforehand; None: on a device other than the CPU
+
+
+def verify_all(jobs: list[Verification]) -> list[Verdict]:
+    if not jobs:
+        return []
+    eager = jobs[0].logits.device.type != "cpu" if EAGER is None else EAGER
+    pieces, work = [], []
+    for job in jobs:  # device side: nothing here waits for the device
+        if job.sampler.greedy:
+            pieces.append(job.logits.argmax(dim=-1))  # [n+1]
+            work.append(None)
+            continue
+        p = job.sampler.probs(job.logits)  # [n+1, vocab]
+        q = None if job.q is None else job.q.to(p.device)
+        p_x, q_x = draft_probabilities(p, q, job.tokens)  # [n], [n]
+        sampled = _Sampled(p, q)
+        pieces += [p_x, q_x]
+        if eager and isinstance(getattr(job.sampler, "generator", None), torch.Generator):
+            draw_beforehand(sampled, job)
+            pieces.append(sampled.drawn)
+        work.append(sampled)
+    values = to_host(torch.cat([x.to(torch.float64).flatten() for x in pieces]))  # the step's one read
+    verdicts, at = [], 0
+    for job, sampled in zip(jobs, work, strict=True):  # host side
+        n = len(job.tokens)
+        if sampled is None:
+            choice = [int(v) for v in values[at : at + n + 1]]
+            at += n + 1
+            accepted = greedy_accepted(choice, job.tokens)
+            verdicts.append(Verdict(accepted, choice[accepted], None))
+            continue
+        p_x, q_x = values[at : at + n], values[at + n : at + 2 * n]
+        at += 2 * n
+        accepted, drew = accepted_count(p_x, q_x, job.sampler)
+        if sampled.drawn is not None:
+            drawn = values[at : at + n + 1]
+            at += n + 1
+            if drew:  # the token the lazy draw gives, and its generator where that draw leaves it
+                job.sampler.generator_for(sampled.p.device).set_state(sampled.after[accepted])
+                verdicts.append(Verdict(accepted, int(drawn[accepted]), sampled.p))
+                continue
+        token = job.sampler.draw(stop_distribution(sampled.p, sampled.q, job.tokens, accepted, job.forbidden))
+        verdicts.append(Verdict(accepted, token, sampled.p))
+    return verdicts
+
+
+def draw_beforehand(sampled: _Sampled, job: Verification) -> None:
+    """A token at each position a where the rule can stop (a rejection at a < n, or n: the bonus, or the recovered
+    token of the forbidden one), each drawn from the state the lazy draw would start from there: the device
+    generator as it is, or, when it is the CPU generator the uniforms also come from, as it is after the a + 1
+    uniforms drawn up to a rejection at a (n for the stop at n). The generators are restored afterwards."""
+    sampler, n = job.sampler, len(job.tokens)
+    generator = sampler.generator_for(sampled.p.device)
+    start = generator.get_state()
+    starts = [start] * (n + 1)  # the state each position's draw starts from
+    if generator is sampler.generator:  # after u_0 .. u_a for a rejection at a < n, u_0 .. u_{n-1} for the stop at n
+        for a in range(n):
+            torch.rand((), generator=generator)  # (one at a time, as `Sampler.uniform` draws them)
+            starts[a] = generator.get_state()
+        starts[n] = starts[n - 1] if n else start
+    drawn, after = [], []
+    for a in range(n + 1):
+        generator.set_state(starts[a])
+        distribution = stop_distribution(sampled.p, sampled.q, job.tokens, a, job.forbidden)
+        drawn.append(torch.multinomial(distribution, 1, generator=generator))
+        after.append(generator.get_state())
+    generator.set_state(start)
+    sampled.drawn, sampled.after = torch.cat(drawn), after
+
+
+def to_host(values: torch.Tensor) -> list[float]:
+    """The one read of a step's verification: a flat tensor's values as Python floats."""
+    return values.tolist()
