@@ -19,7 +19,8 @@ from assistgen import Constant, generate, load_model
 from assistgen.api import encode_chat, use_chat_template
 from assistgen.core.state import Chunk
 from assistgen.core.tools import HERMES, Tool, call_structure, call_syntax, parse_calls
-from assistgen.serving.server import CallStream, Job, tool_message
+from assistgen.serving.jobs import Job
+from assistgen.serving.replies import CallStream, tool_message
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",

@@ -118,8 +118,8 @@ def test_eager_draws_give_the_lazy_tokens_and_leave_the_generators_alike(monkeyp
         for eager in (False, True):
             monkeypatch.setattr(verify, "EAGER", eager)
             sampler = Sampler(config)
-            job = verify.Verification(p_logits, tokens, sampler, None if q is None else q[: n + (forbidden is not None)],
-                                      forbidden)
+            judged_q = None if q is None else q[: n + (forbidden is not None)]
+            job = verify.Verification(p_logits, tokens, sampler, judged_q, forbidden)
             verdict = verify.verify_all([job])[0]
             after = (sampler.uniform(), int(torch.multinomial(torch.ones(vocab), 3, generator=sampler.generator)[0]))
             results.append((verdict.accepted, verdict.token, after))

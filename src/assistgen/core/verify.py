@@ -72,7 +72,7 @@ def verify_all(jobs: list[Verification]) -> list[Verdict]:
             draw_beforehand(sampled, job)
             pieces.append(sampled.drawn)
         work.append(sampled)
-    values = to_host(torch.cat([x.to(torch.float64).flatten() for x in pieces]))  # the step's one read
+    values = to_host(pieces)  # the step's one read
     verdicts, at = [], 0
     for job, sampled in zip(jobs, work, strict=True):  # host side
         n = len(job.tokens)
@@ -121,6 +121,12 @@ def draw_beforehand(sampled: _Sampled, job: Verification) -> None:
     sampled.drawn, sampled.after = torch.cat(drawn), after
 
 
-def to_host(values: torch.Tensor) -> list[float]:
-    """The one read of a step's verification: a flat tensor's values as Python floats."""
-    return values.tolist()
+def to_host(pieces: list[torch.Tensor]) -> list:
+    """The one read of a step's verification: the pieces' values, flat, in order (integers as they are when every
+    piece holds token ids, as greedy ones do; else as float64, which holds float32 probabilities and token ids
+    exactly)."""
+    if len(pieces) == 1 and not pieces[0].is_floating_point():
+        return pieces[0].tolist()
+    if all(not x.is_floating_point() for x in pieces):
+        return torch.cat(pieces).tolist()
+    return torch.cat([x.to(torch.float64) for x in pieces]).tolist()

@@ -1,0 +1,39 @@
+"""What the server's handlers share: its settings (`ServerSettings`) and the app's state (`AppState`: the engine,
+its model's context, the metrics, whether it is closing), found from a request by `state_of`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fastapi import Request as HTTPRequest
+
+from assistgen.serving.batching import BatchEngine
+from assistgen.serving.metrics import Metrics
+from assistgen.spec.drafts import Drafter
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str  # the name clients give as "model" (requests naming another get 404)
+    ngram_cache: bool = False  # an n-gram cache across requests, one per API key
+    suffix: bool = False  # suffix drafting over the request and its API key's earlier requests
+    share_prefix_cache: bool = False  # kept prefixes serve every request, whatever its key (default: its key's only)
+    max_tokens_limit: int | None = None  # the most new tokens a request may ask for (None: no limit)
+    shutdown_timeout: float = 30.0  # seconds running requests get to finish on shutdown
+
+
+@dataclass
+class AppState:
+    """What the handlers share: the engine and its model's context, the settings, the metrics."""
+
+    engine: BatchEngine
+    settings: ServerSettings
+    make_drafter: Callable[..., Drafter] | None
+    context: int  # the longest sequence the engine's target (and drafter) can take
+    metrics: Metrics
+    closing: bool = False
+
+
+def state_of(http: HTTPRequest) -> AppState:
+    return http.app.state.assistgen

@@ -1,0 +1,238 @@
+"""One HTTP request through the batched engine: `Job` (the engine's handle, the queue its chunks arrive on, its
+timings), the request's drafter and prefix namespace from its API key, `submit` (every prompt checked against the
+context, then queued; a full queue is 429), `follow`/`merged` (the chunks of one job or several, in order, as they
+arrive), `failure`, `usage` and `reply_metrics` (what a finished job reports), and `cancel_when_gone` (a client that
+disconnects has its engine requests cancelled)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi import Request as HTTPRequest
+
+from assistgen.config import ConfigError, Structure
+from assistgen.core.engine import check_prompt
+from assistgen.core.logprobs import TokenLogprob
+from assistgen.core.state import Chunk
+from assistgen.core.tools import (
+    CallSyntax,
+)
+from assistgen.drafters.ngram import NGramCache
+from assistgen.serving.app_state import AppState
+from assistgen.serving.batching import QueueFull, Request
+from assistgen.serving.metrics import spec_decode_metrics
+from assistgen.serving.protocol import (
+    FINISH_REASONS,
+    APIError,
+    Sampling,
+    generation_config,
+)
+from assistgen.spec.drafts import Drafter
+from assistgen.stats import Stats
+
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
+
+
+# --- one request through the engine -------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """A request as the server follows it: the engine's handle, the queue its chunks arrive on, timings."""
+
+    prompt_ids: list[int]
+    queue: asyncio.Queue
+    started: float
+    request: Request | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    completion_tokens: int = 0
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # (when asked for)
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (when asked for, with the first chunk)
+    last: Chunk | None = None
+    calls: CallSyntax | None = None  # the tool-call syntax its text is read in (None: no tools)
+
+    @property
+    def usage(self) -> dict:
+        n = len(self.prompt_ids)
+        stats = self.last.stats if self.last is not None else None
+        return {"prompt_tokens": n, "completion_tokens": self.completion_tokens,
+                "total_tokens": n + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": stats.cached_tokens if stats is not None else 0}}
+
+
+def chunk_sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[Chunk], None]:
+    """The engine's on_chunk: hands (chunk, arrival time) to the event loop's queue from the engine thread."""
+
+    def on_chunk(chunk: Chunk) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, (chunk, time.perf_counter()))
+        except RuntimeError:  # the loop has closed: nobody is listening any more
+            pass
+
+    return on_chunk
+
+
+def api_key(http: HTTPRequest) -> str | None:
+    scheme, _, key = http.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return None
+    return key.strip()
+
+
+def ngram_namespace(key: str | None) -> str | NGramCache:
+    """The n-gram cache namespace of an API key (hashed: no key is kept); no key: a throwaway cache."""
+    if key is None:
+        return NGramCache()
+    return key_namespace(key)
+
+
+def drafter_for(state: AppState, key: str | None) -> Drafter | None:
+    """A request's own drafter when what it drafts from depends on its API key (the n-gram cache, suffix drafting's
+    history: the key's, nothing shared without one); None: the engine's."""
+    given: dict = {}
+    if state.settings.ngram_cache:
+        given["ngram_cache"] = ngram_namespace(key)
+    if state.settings.suffix and key is not None:
+        given["suffix"] = key_namespace(key)
+    return state.make_drafter(**given) if given else None
+
+
+def key_namespace(key: str) -> str:
+    return "api-key:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def prefix_namespace(state: AppState, key: str | None) -> str | None:
+    """Whose kept prefixes a request reuses and feeds: its API key's (hashed); None without a key (nothing kept);
+    one namespace for all when the operator shares the prefix cache."""
+    if state.settings.share_prefix_cache:
+        return "shared"
+    return None if key is None else key_namespace(key)
+
+
+def check_model(state: AppState, name: str | None) -> None:
+    served = state.settings.model_name
+    if name is not None and name != served:
+        raise APIError(404, f"The model '{name}' does not exist: this server serves '{served}'.",
+                       "not_found_error", "model", "model_not_found")
+
+
+def encoded(state: AppState, encode: Callable[[], list[int]], param: str) -> list[int]:
+    try:
+        ids = encode()
+        check_prompt(ids, state.engine.target, state.context)
+    except ConfigError as e:
+        raise APIError(400, str(e), param=param) from e
+    return ids
+
+
+def submit(state: AppState, body: Sampling, prompts: list[list[int]], http: HTTPRequest,
+           calls: Structure | None = None) -> list[Job]:
+    """One engine request per prompt (each checked in full before any is queued); a refusal cancels the ones
+    already queued. `calls`: the structure tool calls follow."""
+    configs = [generation_config(body, state.settings.max_tokens_limit, state.context - len(ids), calls)
+               for ids in prompts]
+    if state.closing:
+        raise APIError(503, "The server is shutting down.", "service_unavailable")
+    jobs: list[Job] = []
+    try:
+        for ids, config in zip(prompts, configs, strict=True):
+            jobs.append(submit_one(state, ids, config, http))
+    except APIError:
+        for job in jobs:
+            job.request.cancel()
+        raise
+    return jobs
+
+
+def submit_one(state: AppState, prompt_ids: list[int], config, http: HTTPRequest) -> Job:
+    job = Job(prompt_ids, asyncio.Queue(), time.perf_counter())
+    key = api_key(http)
+    drafter = drafter_for(state, key)
+    try:
+        job.request = state.engine.submit(prompt_ids, config, chunk_sink(asyncio.get_running_loop(), job.queue),
+                                          drafter=drafter, namespace=prefix_namespace(state, key))
+    except QueueFull as e:
+        if state.closing:
+            raise APIError(503, "The server is shutting down.", "service_unavailable") from e
+        raise APIError(429, str(e), "rate_limit_error") from e
+    except ConfigError as e:
+        raise APIError(400, str(e)) from e
+    return job
+
+
+async def follow(state: AppState, job: Job) -> AsyncIterator[Chunk]:
+    """The job's chunks as they come; leaving early (a client gone) cancels the engine request."""
+    try:
+        while job.last is None or job.last.finish_reason is None:
+            chunk, at = await job.queue.get()
+            job.last = chunk
+            job.completion_tokens += len(chunk.tokens)
+            job.texts.append(chunk.text)
+            job.logprobs += chunk.logprobs or []
+            if chunk.prompt_logprobs is not None:
+                job.prompt_logprobs = chunk.prompt_logprobs
+            state.metrics.step(job, chunk, at)
+            if chunk.finish_reason is not None:
+                state.metrics.finished(job, chunk.stats, FINISH_REASONS.get(chunk.finish_reason, "error"), at)
+            yield chunk
+    finally:
+        if job.last is None or job.last.finish_reason is None:
+            job.request.cancel()
+
+
+async def merged(state: AppState, jobs: list[Job]) -> AsyncIterator[tuple[int, Chunk]]:
+    """(choice index, chunk) of every job as they come; leaving early cancels every job still running."""
+    if len(jobs) == 1:
+        async for chunk in follow(state, jobs[0]):
+            yield 0, chunk
+        return
+    out: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, job: Job) -> None:
+        async for chunk in follow(state, job):
+            await out.put((i, chunk))
+
+    tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+    try:
+        for _ in jobs:  # each job ends with one finishing chunk
+            while True:
+                i, chunk = await out.get()
+                yield i, chunk
+                if chunk.finish_reason is not None:
+                    break
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def failure(job: Job) -> APIError | None:
+    if job.last is None or job.last.finish_reason != "error":
+        return None
+    return APIError(500, f"Generation failed: {job.request.error}", "server_error")
+
+
+def usage(jobs: list[Job]) -> dict:
+    parts = [job.usage for job in jobs]
+    total = {k: sum(p[k] for p in parts) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    total["prompt_tokens_details"] = {"cached_tokens": sum(p["prompt_tokens_details"]["cached_tokens"]
+                                                           for p in parts)}
+    return total
+
+
+def reply_metrics(jobs: list[Job]) -> dict:
+    stats = [job.last.stats for job in jobs if job.last is not None and job.last.stats is not None]
+    return spec_decode_metrics(stats[0] if len(stats) == 1 else Stats.combined(stats) if stats else None)
+
+
+async def cancel_when_gone(jobs: list[Job], http: HTTPRequest) -> None:
+    """A client waiting for a whole reply that goes away cancels its engine requests (streams: `merged`)."""
+    while not await http.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    for job in jobs:
+        job.request.cancel()
