@@ -247,3 +247,29 @@ def test_a_server_starts_on_provisional_costs_and_measures_them_while_idle(tmp_p
     again = tiny_llama()
     again.cache_key = "tiny-later"
     assert calibrate(again, later=True).record == model.costs.record and all(c.model is not again for c in pending())
+
+
+def test_an_engine_times_only_its_own_models_and_never_while_another_serves_on_them(tmp_path, monkeypatch, one_thread):
+    """Two servers in one process: an engine measures the pending costs of the models it runs only, and no engine
+    times a pass of a model while another one serves requests on it (`Calibration.hold`)."""
+    import time
+
+    from assistgen.policy.costs import calibrate, pending
+
+    monkeypatch.setenv("ASSISTGEN_CACHE", str(tmp_path))
+    model, other = tiny_llama(seed=0), tiny_llama(seed=1)
+    model.cache_key, other.cache_key = "tiny-held", "tiny-other"
+    calibrate(model, later=True)
+    calibration = pending([model])[0]
+    assert pending([other]) == [] and calibration in pending()
+    elsewhere = BatchEngine(other, NoDrafter, Adaptive(), EngineSettings(max_batch=2)).start()
+    time.sleep(1.0)  # idle: it would time a pass within one wait
+    assert calibration.current is None and calibration.results == []  # not its model
+    elsewhere.shutdown(timeout=30)
+
+    calibration.hold("server B")  # another engine serves requests on the model
+    assert calibration.advance("server A") and calibration.current is None  # nothing timed
+    assert not calibration.free_for("server A") and calibration.free_for("server B")
+    calibration.release("server B")
+    assert calibration.advance("server A") and calibration.current is not None  # now it times
+    calibration.abandon()

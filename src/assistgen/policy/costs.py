@@ -179,7 +179,8 @@ class Calibration:
     `model.costs`, and the calibration leaves `pending()`. `interrupt()` drops the stage half done (closing its
     generator frees its caches, so the model's sequences can serve), to be timed again from that stage's start.
     `abandon()` gives up: the provisional costs stay. One thread advances it at a time (a call while another
-    thread times a pass returns at once)."""
+    thread times a pass returns at once), and no pass is timed while an engine other than the caller serves
+    requests on the model (`hold`/`release`: engines of two servers may share a model)."""
 
     def __init__(self, model, path: Path | None):
         self.model, self.path = model, path
@@ -187,12 +188,28 @@ class Calibration:
         self.results: list = []
         self.current: Generator | None = None
         self.lock = threading.Lock()  # one thread times a pass at a time (engines of several servers may share a model)
+        self.holders: set[int] = set()  # ids of the engines now serving requests on the model
 
-    def advance(self) -> bool:
+    def hold(self, who: object) -> None:
+        """`who` (an engine) serves requests on the model: no pass is timed until it lets go (`release`), and a stage
+        half done is dropped (its caches freed for the requests)."""
+        with self.lock:
+            self.holders.add(id(who))
+            self._interrupt()
+
+    def release(self, who: object) -> None:
+        with self.lock:
+            self.holders.discard(id(who))
+
+    def free_for(self, who: object) -> bool:
+        """Whether `who` may time a pass now: no other engine serves requests on the model."""
+        return not (self.holders - {id(who)})
+
+    def advance(self, who: object = None) -> bool:
         if not self.lock.acquire(blocking=False):
             return True  # another thread is timing a pass of it
         try:
-            return self._advance()
+            return True if not self.free_for(who) else self._advance()  # (requests on the model come first)
         finally:
             self.lock.release()
 
@@ -231,9 +248,11 @@ class Calibration:
 _PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its Calibration, until measured
 
 
-def pending() -> list[Calibration]:
-    """The cost measurements left for later (`calibrate(later=True)`), oldest first."""
-    return list(_PENDING.values())
+def pending(models: list | None = None) -> list[Calibration]:
+    """The cost measurements left for later (`calibrate(later=True)`), oldest first; those of `models` only when
+    given (an engine measures the models it serves, never another engine's)."""
+    calibrations = list(_PENDING.values())
+    return calibrations if models is None else [c for c in calibrations if any(c.model is m for m in models)]
 
 
 def costs_state(model) -> str:

@@ -13,9 +13,11 @@ that went away: its rows are freed before the next step), or "error" (`Request.e
 the loop to return. Each request gets its own drafter: the one given to `submit`, else a fresh one from
 `make_drafter()` (drafters hold per-request state: caches, estimates), its own sampler and schedule
 run; only the target and its weights are shared. Greedy output of a request is the output
-`engine.stream` gives for it alone. While no request runs or waits, the engine times the passes of any model whose
-cost measurement was left for later (`policy.costs.pending`), one pass at a time; a request that arrives drops the
-stage half done (to be timed again from its start), so a request waits at most one pass.
+`engine.stream` gives for it alone. While no request runs or waits, the engine times the passes of its models
+(its target, its drafters' models) whose cost measurement was left for later (`policy.costs.pending`), one pass
+at a time; a request that arrives drops the stage half done (to be timed again from its start), so a request
+waits at most one pass, and holds the measurement off while the engine serves (`Calibration.hold`): another
+engine sharing the model never times a pass of it then.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from assistgen.core.constraint import compile_structure
 from assistgen.core.engine import begin, step
 from assistgen.core.prefix import PrefixCache, check_capacity, default_capacity
 from assistgen.core.state import Chunk, GenerationState
+from assistgen.drafters.base import drafters_of
 from assistgen.policy.costs import Calibration, pending
 from assistgen.spec.drafts import Drafter
 from assistgen.spec.steps import Schedule
@@ -116,6 +119,7 @@ class BatchEngine:
         self.largest_batch = 0  # the most requests stepped together so far
         self.finished = threading.Event()  # set when the loop has returned
         self.prefix = prefix_cache_for(target, self.settings)  # touched by the engine thread only
+        self.models = served_models(target, make_drafter)  # whose left-for-later cost measurements it runs
 
     # --- the client side ----------------------------------------------------------------------------------
 
@@ -168,6 +172,10 @@ class BatchEngine:
         if self.thread is not None and self.thread is not threading.current_thread():
             self.finished.wait(timeout)
 
+    def _measurable(self) -> list[Calibration]:
+        """The cost measurements of its models it may run now (no other engine serves requests on them)."""
+        return [c for c in pending(self.models) if c.free_for(self)]
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -182,13 +190,15 @@ class BatchEngine:
         try:
             self._loop()
         finally:
+            for calibration in pending(self.models):  # (it serves them no more)
+                calibration.release(self)
             self.finished.set()
 
     def _loop(self) -> None:
         active: list[tuple[Request, GenerationState]] = []
         while True:
             with self.lock:
-                while not self.waiting and not active and self.accepting and not pending():
+                while not self.waiting and not active and self.accepting and not self._measurable():
                     self.lock.wait(0.5)  # with a timeout: a main thread waiting here still takes signals
                 if not self.waiting and not active:
                     if not self.accepting:
@@ -199,12 +209,14 @@ class BatchEngine:
                     while self.waiting and len(active) + len(joining) < self.settings.max_batch:
                         joining.append(self.waiting.popleft())
             if joining is None:
-                for calibration in pending()[:1]:
-                    measure_a_pass(calibration)
+                for calibration in pending(self.models):  # (idle: it serves none of them now)
+                    calibration.release(self)
+                for calibration in self._measurable()[:1]:
+                    measure_a_pass(calibration, self)
                 continue
             if joining:
-                for calibration in pending():  # (its half-done stage's caches freed for the requests)
-                    calibration.interrupt()
+                for calibration in pending(self.models):  # (its half-done stage's caches freed for the requests)
+                    calibration.hold(self)
             active += [(r, s) for r in joining if (s := self._begin(r)) is not None]
             active = [(r, s) for r, s in active if not self._cancelled(r, s)]
             self.running = [r for r, _ in active]
@@ -275,11 +287,20 @@ def prefix_cache_for(target: LanguageModel, settings: EngineSettings) -> PrefixC
     return PrefixCache(target, capacity, entries)
 
 
-def measure_a_pass(calibration: Calibration) -> None:
+def served_models(target: LanguageModel, make_drafter: Callable[[], Drafter]) -> list:
+    """The models an engine runs: its target and its drafters' models (a drafter made once to see them)."""
+    try:
+        drafters = drafters_of(make_drafter())
+    except Exception:  # noqa: BLE001 - (a drafter that cannot be made now fails on its request, with its message)
+        drafters = []
+    return [target] + [d.model for d in drafters if getattr(d, "model", None) is not None and d.model is not target]
+
+
+def measure_a_pass(calibration: Calibration, engine: object = None) -> None:
     """One timed pass of a model's cost measurement, run while the engine is idle; a measurement that fails (its
     model's sequences taken by kept prefixes, say) is given up, the provisional costs kept."""
     try:
-        calibration.advance()
+        calibration.advance(engine)
     except Exception as e:  # noqa: BLE001 - the server serves on the provisional costs
         calibration.abandon()
         print(f"assistgen: measuring {calibration.model.name}'s pass costs failed ({type(e).__name__}: {e}); the "
