@@ -15,6 +15,7 @@ given is resolved once per process and the loaded model reused (`as_model`).
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -67,8 +68,8 @@ def load_model(spec: str, fast_linear: bool | str = "auto", backend: str = "auto
     if settings is None:
         settings = LoadSettings.parse(backend, **loading)
     elif loading or backend != "auto":
-        raise ConfigError("load_model: give the loading options either as keywords or as settings=LoadSettings(...), "
-                          "not both.")
+        raise ConfigError("load_model: give the loading options either as keywords or as "
+                          "settings=LoadSettings.parse(...), not both.")
     model = load(spec, settings)
     if fast_linear:
         prepare(model, fast_linear, calibration=calibration)
@@ -127,6 +128,8 @@ def as_model(model) -> LanguageModel:
     (load it with `load_model` to choose its settings, or to free it). A bad name raises `ModelLoadError`."""
     if hasattr(model, "new_cache"):
         return model
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
     if not isinstance(model, str):
         raise ConfigError(f"A model must be a loaded model (assistgen.load_model) or its name, got "
                           f"{type(model).__name__}.")

@@ -138,3 +138,35 @@ def test_layers_beyond_a_gpu_budget_stay_in_cpu_memory_and_decode_exactly(tmp_pa
         if kwargs:
             assert out.stats.drafted_tokens > 0
         assert out.token_ids == reference, kwargs
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_sampled_verification_on_the_gpu_draws_beforehand_what_the_lazy_draw_gives(monkeypatch, dtype):
+    """On a GPU `core.verify` draws the stop tokens before its one read (EAGER by default there): the same tokens
+    as drawing after the read, for seeded generations with an assistant; and no synchronization beyond the read
+    (`torch.cuda.set_sync_debug_mode`, warnings counted)."""
+    import warnings
+
+    import assistgen.core.verify as verify
+
+    target, assistant = on_cuda(tiny_llama(seed=0), DTYPES[dtype]), on_cuda(tiny_llama(seed=1), DTYPES[dtype])
+    outputs = {}
+    for eager in (False, True):
+        monkeypatch.setattr(verify, "EAGER", eager)
+        outputs[eager] = [generate(target, encode("abc abc abc"), assistant=assistant, schedule=Constant(3),
+                                   max_new_tokens=24, temperature=0.9, top_p=0.95, seed=seed).token_ids
+                          for seed in range(4)]
+    assert outputs[True] == outputs[False]
+    monkeypatch.setattr(verify, "EAGER", True)
+    p = torch.softmax(torch.randn(4, target.vocab_size, device=CUDA), -1)
+    job = verify.Verification(torch.log(p), [3, 4, 5], Sampler(GenerationConfig(temperature=1.0, seed=0)),
+                              torch.softmax(torch.randn(3, target.vocab_size, device=CUDA), -1))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            verify.verify_all([job])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len([w for w in said if "synchroniz" in str(w.message)]) <= 1, [str(w.message) for w in said]

@@ -111,7 +111,8 @@ def test_eager_draws_give_the_lazy_tokens_and_leave_the_generators_alike(monkeyp
         q = torch.softmax(torch.randn(n + 1, vocab, generator=g) * 2, -1) if rng.random() < 0.7 else None
         tokens = [rng.randrange(vocab) for _ in range(n)]
         if q is not None and n and rng.random() < 0.2:
-            q[rng.randrange(n), tokens[0]] = 0.0  # (a draft token its drafter gave no probability)
+            i = rng.randrange(n)
+            q[i, tokens[i]] = 0.0  # (a draft token its drafter gave no probability)
         forbidden = rng.randrange(vocab) if rng.random() < 0.3 else None
         config = GenerationConfig(temperature=rng.choice([0.5, 1.0, 1.5]), seed=case)
         results = []
@@ -124,3 +125,18 @@ def test_eager_draws_give_the_lazy_tokens_and_leave_the_generators_alike(monkeyp
             after = (sampler.uniform(), int(torch.multinomial(torch.ones(vocab), 3, generator=sampler.generator)[0]))
             results.append((verdict.accepted, verdict.token, after))
         assert results[0] == results[1], (case, results)
+
+
+def test_the_race_draws_what_multinomial_draws_and_leaves_the_generator_alike():
+    """`verify.race` (argmax of p over exponentials) against `torch.multinomial(p, 1)`: the same token from the same
+    state, and the same state after, over random distributions with and without zeros."""
+    for seed in range(500):
+        g = torch.Generator().manual_seed(seed)
+        vocab = int(torch.randint(2, 300, (), generator=g))
+        p = torch.softmax(torch.randn(vocab, generator=g) * 3, -1)
+        if seed % 3 == 0:
+            p[torch.randperm(vocab, generator=g)[: vocab // 2]] = 0.0
+            p = p / p.sum()
+        one, other = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        assert int(torch.multinomial(p, 1, generator=one)) == int(verify.race(p[None], other)[0])
+        assert torch.equal(one.get_state(), other.get_state())

@@ -12,7 +12,7 @@ import pytest
 from helpers import encode, hf_greedy, tiny_llama
 
 from assistgen import Adaptive, generate
-from assistgen.policy.alternatives import StepPlan
+from assistgen.policy.alternatives import StepPricing
 from assistgen.policy.costs import PassCosts
 from assistgen.policy.gain import alternative_gain, merged_reach, reach
 
@@ -42,8 +42,8 @@ def test_the_gain_of_another_draft():
 
 
 def test_a_further_sequence_pays_only_where_rows_are_cheap():
-    flat = StepPlan(PassCosts.from_curve([1.0 + 0.02 * k for k in range(17)]), 1, 1, 4, 2.0)
-    steep = StepPlan(PassCosts.from_curve([1.0 + 0.6 * k for k in range(17)]), 1, 1, 4, 2.0)
+    flat = StepPricing(PassCosts.from_curve([1.0 + 0.02 * k for k in range(17)]), 1, 1, 4, 2.0)
+    steep = StepPricing(PassCosts.from_curve([1.0 + 0.6 * k for k in range(17)]), 1, 1, 4, 2.0)
     gain = alternative_gain(reach([0.5], 4), reach([0.8], 8))
     assert flat.rate_with(gain, 8) > flat.rate()
     assert steep.rate_with(gain, 8) < steep.rate()

@@ -1,11 +1,12 @@
 """How a model is loaded, parsed once at the edge: `LoadSettings.parse(backend, **options)`.
 
 Contract: `parse` takes `load_model`'s keyword arguments (or the command line's, `cli/options.py`) and returns a
-frozen `LoadSettings` in which every option is checked and in its final form: `backend` one of `BACKENDS`,
+frozen `LoadSettings` (built directly, it is checked the same way) in which every option is checked and in its
+final form: `backend` one of `BACKENDS`,
 `max_memory` in bytes (`budget.parse_budget`), `dtype` a torch dtype (a `DTYPES` name is taken too), `device` text;
 an unknown option raises `ModelLoadError` listing each backend's. llama.cpp's own options (`LlamaSettings`' fields:
 context, sequences, threads, repack, flash_attention, exact_prompts, ...) are kept as given, in `llama`. `given`
-names every option the caller set, so that the loader refuses an option of the other backend (`backends.loader`)
+names every option set (not None), so that the loader refuses an option of the other backend (`backends.loader`)
 instead of dropping it; None is "the backend's default" and counts as not given. One object loads any number of
 models; a changed budget is `with_budget` (the assistant's share of `--max-memory`). Nothing below the loader
 parses an option again.
@@ -37,7 +38,19 @@ class LoadSettings:
     quantize: str | None = None  # torch: "int8" | "int4"; llama.cpp: a GGUF type a hub-format model is converted to
     max_memory: int | None = None  # bytes the model may keep resident: offloaded weights (None: not offloaded)
     llama: tuple[tuple[str, Any], ...] = ()  # llama.cpp's own options given, (name, value) in `LLAMA_ONLY`
-    given: frozenset[str] = frozenset()  # the options the caller set (not None)
+
+    def __post_init__(self):  # (built directly or by `parse`: every field checked and normalised here)
+        if self.backend not in BACKENDS:
+            raise ModelLoadError(f"Unknown backend {self.backend!r}: use one of {', '.join(BACKENDS)}.")
+        unknown = sorted(k for k, _ in self.llama if k not in LLAMA_ONLY)
+        if unknown:
+            raise ModelLoadError(f"Unknown llama.cpp option {', '.join(unknown)}: it takes {', '.join(LLAMA_ONLY)}.")
+        object.__setattr__(self, "dtype", dtype_of(self.dtype))
+        if self.device is not None:
+            object.__setattr__(self, "device", str(self.device))
+        if self.max_memory is not None:
+            object.__setattr__(self, "max_memory", parse_budget(self.max_memory))
+        object.__setattr__(self, "llama", tuple((k, v) for k, v in self.llama if v is not None))
 
     @classmethod
     def parse(cls, backend: str = "auto", **options) -> LoadSettings:
@@ -47,21 +60,18 @@ class LoadSettings:
             raise ModelLoadError(f"Unknown loading option {', '.join(unknown)}: the torch backend takes "
                                  f"{', '.join((*TORCH_ONLY, *SHARED))}; the llama.cpp backend takes "
                                  f"{', '.join((*SHARED, *LLAMA_ONLY))}.")
-        if backend not in BACKENDS:
-            raise ModelLoadError(f"Unknown backend {backend!r}: use one of {', '.join(BACKENDS)}.")
-        given = {k: v for k, v in options.items() if v is not None}
-        return cls(backend=backend, dtype=dtype_of(given.get("dtype")),
-                   device=None if "device" not in given else str(given["device"]),
-                   quantize=given.get("quantize"),
-                   max_memory=parse_budget(given["max_memory"]) if "max_memory" in given else None,
-                   llama=tuple((k, given[k]) for k in LLAMA_ONLY if k in given), given=frozenset(given))
+        return cls(backend=backend, dtype=options.get("dtype"), device=options.get("device"),
+                   quantize=options.get("quantize"), max_memory=options.get("max_memory"),
+                   llama=tuple((k, options[k]) for k in LLAMA_ONLY if options.get(k) is not None))
+
+    @property
+    def given(self) -> frozenset[str]:
+        """The options set (not None): an option of the backend not chosen is refused, not dropped."""
+        return frozenset([k for k in (*TORCH_ONLY, *SHARED) if getattr(self, k) is not None] +
+                         [k for k, _ in self.llama])
 
     def with_budget(self, max_memory: int | None) -> LoadSettings:
-        given = self.given | {"max_memory"} if max_memory is not None else self.given - {"max_memory"}
-        return replace(self, max_memory=max_memory, given=given)
-
-    def with_backend(self, backend: str) -> LoadSettings:
-        return replace(self, backend=backend)
+        return replace(self, max_memory=max_memory)
 
     def on_cpu(self) -> bool:
         return self.device is None or self.device == "cpu"

@@ -83,10 +83,10 @@ def loading(args: argparse.Namespace, assistant: bool = False) -> dict:
 
 def load_settings(args: argparse.Namespace, assistant: bool = False, extra: dict | None = None) -> LoadSettings:
     """The command's loading options parsed, once, into `LoadSettings` (`extra`: options a command adds)."""
-    given = {k: v for k, v in {**placement(args, assistant), **(extra or {})}.items() if k != "backend"}
+    given = {**placement(args, assistant), **(extra or {})}
     if args.quantize:
         given["quantize"] = args.quantize
-    return LoadSettings.parse(placement(args, assistant)["backend"], **given)
+    return LoadSettings.parse(given.pop("backend"), **given)
 
 
 def load_target_and_assistant(args: argparse.Namespace, extra: dict | None = None, calibration: str = "now") -> tuple:

@@ -15,7 +15,7 @@ from dataclasses import replace
 from assistgen.backends.base import shared_prefix
 from assistgen.core.plan import Alternative, Planned
 from assistgen.core.sampling import verify_greedy
-from assistgen.policy.alternatives import StepPlan
+from assistgen.policy.alternatives import StepPricing
 from assistgen.policy.costs import PassCosts
 from assistgen.policy.gain import alternative_gain, merged_reach
 from assistgen.spec.drafts import Draft, Proposal
@@ -33,14 +33,14 @@ def add_alternatives(decoding: list[Planned], prefill_rows: int, costs: PassCost
     bests = [p.state.run.alternatives.reach(p.proposal.draft, p.proposal.drafter, p.verified)
              if p.state.run.alternatives is not None else [] for p in decoding]
     # (each generation emits the target's own token and its draft's expected accepted ones)
-    plan = StepPlan(costs, len(decoding) + (1 if prefill_rows else 0), len(decoding) + prefill_rows,
+    plan = StepPricing(costs, len(decoding) + (1 if prefill_rows else 0), len(decoding) + prefill_rows,
                     sum(p.verified for p in decoding), sum(1.0 + sum(best) for best in bests))
     return [replace(p, alternatives=find_alternatives(p, best, plan))
             if p.state.run.alternatives is not None and p.state.config.greedy and p.state.constraint is None else p
             for p, best in zip(decoding, bests, strict=True)]
 
 
-def find_alternatives(planned: Planned, best: list[float], plan: StepPlan) -> tuple[Alternative, ...]:
+def find_alternatives(planned: Planned, best: list[float], plan: StepPricing) -> tuple[Alternative, ...]:
     """`add_alternatives` for one generation; best[i-1]: the chance its own draft's accepted run reaches i tokens."""
     s, proposal = planned.state, planned.proposal
     verified, alternatives, found = [proposal.draft.tokens[: planned.verified]], s.run.alternatives, []

@@ -112,7 +112,7 @@ def step(states: list[GenerationState], prefill_budget: int | None = None) -> li
     elapsed = clock() - t
     decoding, prefill = plan.decoding, plan.prefill
     own, other_logits = logits[: len(decoding)], iter(logits[len(decoding) + len(prefill):])
-    for (s, ids), rows in zip(prefill, logits[len(decoding):], strict=False):
+    for (s, ids), rows in zip(prefill, logits[len(decoding): len(decoding) + len(prefill)], strict=True):
         s.stats.prefill_s += elapsed
         s.stats.target_forward_passes += 1
         if s.config.prompt_logprobs is not None:

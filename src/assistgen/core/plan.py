@@ -53,10 +53,6 @@ class StepPlan:
     prefill: tuple[tuple[GenerationState, list[int]], ...]  # (generation, the prompt tokens it feeds)
     costs: PassCosts | None  # the first decoding schedule's (None: only fixed rules)
 
-    @property
-    def prefill_rows(self) -> int:
-        return sum(len(ids) for _, ids in self.prefill)
-
     def feeds(self) -> list[Feed]:
         # A decoding generation's rows all keep their logits (so that every row is verified alike: a backend may
         # compute rows without logits another way, `LlamaModel.feed_together`); its last verified + 1 are read.

@@ -65,7 +65,11 @@ def verify_speculative(
 def draft_probabilities(p: torch.Tensor, q: torch.Tensor | None, draft: list[int]):
     """p_i(x_i) and q_i(x_i) of each draft token x_i ([k], [k] on p's device; q None: one-hot, so 1)."""
     rows = torch.arange(len(draft), device=p.device)
-    tokens = torch.tensor(draft, dtype=torch.long, device=p.device)
+    tokens = torch.tensor(draft, dtype=torch.long)
+    if p.device.type == "cuda":  # (from pinned memory, queued: the host does not wait for the device)
+        tokens = tokens.pin_memory().to(p.device, non_blocking=True)
+    else:
+        tokens = tokens.to(p.device)
     p_x = p[rows, tokens]
     return p_x, (torch.ones_like(p_x) if q is None else q[rows, tokens])
 
@@ -75,7 +79,7 @@ def accepted_count(p_x: list[float], q_x: list[float], sampler: Sampler) -> tupl
     until the first rejection. Returns (accepted, whether the stop drew its uniform: False only for a token its
     drafter gave q = 0, rejected without one)."""
     for i, (p_i, q_i) in enumerate(zip(p_x, q_x, strict=True)):
-        if q_i <= 0:
+        if not q_i > 0:  # (q = 0, or not a number: rejected without a uniform, as always)
             return i, False
         if not sampler.uniform() < min(1.0, p_i / q_i):
             return i, True

@@ -58,7 +58,7 @@ def verify_all(jobs: list[Verification]) -> list[Verdict]:
         return []
     eager = jobs[0].logits.device.type != "cpu" if EAGER is None else EAGER
     pieces, work = [], []
-    for job in jobs:  # device side: nothing here waits for the device
+    for job in jobs:  # device side (on a GPU nothing here waits for it, but the draft ids' upload)
         if job.sampler.greedy:
             pieces.append(job.logits.argmax(dim=-1))  # [n+1]
             work.append(None)
@@ -100,25 +100,35 @@ def verify_all(jobs: list[Verification]) -> list[Verdict]:
 def draw_beforehand(sampled: _Sampled, job: Verification) -> None:
     """A token at each position a where the rule can stop (a rejection at a < n, or n: the bonus, or the recovered
     token of the forbidden one), each drawn from the state the lazy draw would start from there: the device
-    generator as it is, or, when it is the CPU generator the uniforms also come from, as it is after the a + 1
-    uniforms drawn up to a rejection at a (n for the stop at n). The generators are restored afterwards."""
+    generator as it is (one draw of exponentials then serves every position), or, when it is the CPU generator the
+    uniforms also come from, as it is after the a + 1 uniforms drawn up to a rejection at a (n for the stop at n).
+    The generators are restored afterwards; `after` holds where each position's draw leaves them."""
     sampler, n = job.sampler, len(job.tokens)
     generator = sampler.generator_for(sampled.p.device)
     start = generator.get_state()
-    starts = [start] * (n + 1)  # the state each position's draw starts from
-    if generator is sampler.generator:  # after u_0 .. u_a for a rejection at a < n, u_0 .. u_{n-1} for the stop at n
-        for a in range(n):
-            torch.rand((), generator=generator)  # (one at a time, as `Sampler.uniform` draws them)
-            starts[a] = generator.get_state()
-        starts[n] = starts[n - 1] if n else start
-    drawn, after = [], []
-    for a in range(n + 1):
-        generator.set_state(starts[a])
-        distribution = stop_distribution(sampled.p, sampled.q, job.tokens, a, job.forbidden)
-        drawn.append(torch.multinomial(distribution, 1, generator=generator))
-        after.append(generator.get_state())
+    stops = torch.stack([stop_distribution(sampled.p, sampled.q, job.tokens, a, job.forbidden)
+                         for a in range(n + 1)])  # [n+1, vocab]
+    if generator is not sampler.generator:  # every position's draw starts from the same state
+        sampled.drawn = race(stops, generator)
+        sampled.after = [generator.get_state()] * (n + 1)
+    else:
+        drawn, after = [], []
+        for a in range(n + 1):  # after u_0 .. u_a for a rejection at a < n, u_0 .. u_{n-1} for the stop at n
+            generator.set_state(start)
+            for _ in range(a + (a < n)):
+                torch.rand((), generator=generator)  # (one at a time, as `Sampler.uniform` draws them)
+            drawn.append(race(stops[a : a + 1], generator))
+            after.append(generator.get_state())
+        sampled.drawn, sampled.after = torch.cat(drawn), after
     generator.set_state(start)
-    sampled.drawn, sampled.after = torch.cat(drawn), after
+
+
+def race(distributions: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token from each row of `distributions` [rows, vocab], all with the same exponentials (one draw from
+    `generator`): argmax(p / e), which is what `torch.multinomial(p, 1)` computes for one sample (checked token for
+    token and generator state for state: tests/core/test_verify.py), without its checks, which wait for the device."""
+    exponentials = torch.empty_like(distributions[0]).exponential_(1, generator=generator)  # [vocab]
+    return (distributions / exponentials).argmax(dim=-1)  # [rows]
 
 
 def to_host(pieces: list[torch.Tensor]) -> list:

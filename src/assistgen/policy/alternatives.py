@@ -4,7 +4,7 @@ Contract: where a pass costs about the same for 1 and 17 rows because the target
 (offloaded), the drafts of the drafters after the one that drafted (another source's guess at the same tokens)
 are verified beside it, each in a fork of the sequence's cache, and the loop keeps the draft accepted furthest.
 Only greedy generations do this (the kept draft is then the target's own tokens whichever wins), and only while
-the step's pricing (`StepPlan`: the expected tokens against the rows' cost) says the extra rows bring more tokens
+the step's pricing (`StepPricing`: the expected tokens against the rows' cost) says the extra rows bring more tokens
 per unit of time than the step already does (`gain.alternative_gain`). An `AlternativesRun` is the extension of one
 `adaptive.AdaptiveRun` that answers the loop (`ScheduleRun.alternatives`; None where a run never verifies any):
     on() -> bool                whether this step may verify alternatives (a step of max_k tokens priced at most
@@ -28,7 +28,7 @@ from assistgen.spec.steps import StepOutcome
 
 
 @dataclass
-class StepPlan:
+class StepPricing:
     """What one step verifies so far, priced with `costs`: for deciding whether a further draft, in a fork of a
     sequence's cache, pays for its rows. Costs in plain steps t(1); tokens: what the step is expected to emit."""
 
@@ -71,7 +71,7 @@ class AlternativesRun:
             return []
         return reach(self.run.estimate(draft.source or drafter_name, drafter_name).estimate(), verified)
 
-    def k(self, drafter: Drafter, best: list[float], plan: StepPlan, room: int, chosen: int) -> int:
+    def k(self, drafter: Drafter, best: list[float], plan: StepPricing, room: int, chosen: int) -> int:
         """How many tokens to ask `drafter` for as an alternative to the sequence's drafts (`chosen` alternatives
         already), whose longest accepted run reaches i tokens with probability best[i-1]: the k that raises the
         step's expected tokens per unit of time most, its drafting (k * c) counted (0: none does)."""
@@ -84,7 +84,7 @@ class AlternativesRun:
         rates = run.estimate(drafter.name).estimate()
         return self.best(rates, best, 0, min(room, run.k_max()), plan, c)
 
-    def length(self, draft: Draft, drafter_name: str, best: list[float], shared: int, plan: StepPlan) -> int:
+    def length(self, draft: Draft, drafter_name: str, best: list[float], shared: int, plan: StepPricing) -> int:
         """How many of an alternative draft asked for by `k` (its first `shared` tokens those of a draft already
         verified) to verify beside the others, now that it is drafted (0: none pays)."""
         if not self.on() or not draft.tokens:
@@ -93,7 +93,7 @@ class AlternativesRun:
         return self.best(rates, best, shared, len(draft.tokens), plan, 0.0)
 
     @staticmethod
-    def best(rates: list[float], best: list[float], shared: int, k_max: int, plan: StepPlan, c: float) -> int:
+    def best(rates: list[float], best: list[float], shared: int, k_max: int, plan: StepPricing, c: float) -> int:
         chosen, best_rate = 0, plan.rate()
         for k in range(shared + 1, k_max + 1):
             rate = plan.rate_with(alternative_gain(best, reach(rates, k), shared), k, k * c)

@@ -189,21 +189,24 @@ class Calibration:
         self.current: Generator | None = None
         self.lock = threading.Lock()  # one thread times a pass at a time (engines of several servers may share a model)
         self.holders: set[int] = set()  # ids of the engines now serving requests on the model
+        self.holding = threading.Lock()  # guards `holders` (never held while a pass is timed)
 
     def hold(self, who: object) -> None:
         """`who` (an engine) serves requests on the model: no pass is timed until it lets go (`release`), and a stage
-        half done is dropped (its caches freed for the requests)."""
-        with self.lock:
+        half done is dropped (its caches freed for the requests; a pass being timed ends first)."""
+        with self.holding:
             self.holders.add(id(who))
+        with self.lock:
             self._interrupt()
 
     def release(self, who: object) -> None:
-        with self.lock:
+        with self.holding:
             self.holders.discard(id(who))
 
     def free_for(self, who: object) -> bool:
         """Whether `who` may time a pass now: no other engine serves requests on the model."""
-        return not (self.holders - {id(who)})
+        with self.holding:
+            return not (self.holders - {id(who)})
 
     def advance(self, who: object = None) -> bool:
         if not self.lock.acquire(blocking=False):

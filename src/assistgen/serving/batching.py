@@ -197,6 +197,9 @@ class BatchEngine:
     def _loop(self) -> None:
         active: list[tuple[Request, GenerationState]] = []
         while True:
+            if not active and not self.waiting:
+                for calibration in pending(self.models):  # (idle: it serves none of them now)
+                    calibration.release(self)
             with self.lock:
                 while not self.waiting and not active and self.accepting and not self._measurable():
                     self.lock.wait(0.5)  # with a timeout: a main thread waiting here still takes signals
@@ -209,8 +212,6 @@ class BatchEngine:
                     while self.waiting and len(active) + len(joining) < self.settings.max_batch:
                         joining.append(self.waiting.popleft())
             if joining is None:
-                for calibration in pending(self.models):  # (idle: it serves none of them now)
-                    calibration.release(self)
                 for calibration in self._measurable()[:1]:
                     measure_a_pass(calibration, self)
                 continue

@@ -52,7 +52,9 @@ def gguf_file(spec: str) -> Path | None:
 
 
 def load(spec: str, settings: LlamaSettings | None = None) -> LlamaModel:
-    settings = settings or LlamaSettings()  # (parsed: `backends.settings.LoadSettings.llama_settings`)
+    settings = settings or LlamaSettings()  # (parsed: `backends.settings`; a budget in bytes)
+    if settings.max_memory is not None:
+        settings = replace(settings, repack=False)  # file-backed weights: repacked layouts are anonymous copies
     lib = library()
     path, source = gguf_file(spec.strip()), None
     if path is None:  # a transformers folder or hub id: converted (and quantized) on first use
