@@ -273,3 +273,28 @@ def test_an_engine_times_only_its_own_models_and_never_while_another_serves_on_t
     calibration.release("server B")
     assert calibration.advance("server A") and calibration.current is not None  # now it times
     calibration.abandon()
+
+
+def test_two_engines_on_one_model_measure_it_once_both_are_idle(tmp_path, monkeypatch, one_thread):
+    """Both engines serve requests on the model (each holds its measurement off), then both go idle: the
+    measurement is then run and saved, by one of them."""
+    import time
+
+    from assistgen.policy.costs import calibrate, costs_state, pending
+
+    monkeypatch.setenv("ASSISTGEN_CACHE", str(tmp_path))
+    model = tiny_llama(seed=0)
+    model.cache_key = "tiny-shared"
+    calibrate(model, later=True)
+    engines = [BatchEngine(model, PromptLookupDrafter, Adaptive(), EngineSettings(max_batch=2)).start()
+               for _ in range(2)]
+    config = GenerationConfig(max_new_tokens=24, eos_token_ids=())
+    requests = [e.submit(encode(text), config) for e in engines for text in TEXTS[:2]]
+    for r in requests:
+        assert [c.finish_reason for c in r][-1] == "length"
+    deadline = time.monotonic() + 120
+    while pending([model]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pending([model]) and costs_state(model) == "measured"
+    for e in engines:
+        e.shutdown(timeout=30)
