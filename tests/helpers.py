@@ -131,19 +131,25 @@ def verified(run, draft, drafter_name: str, room: int = 1 << 30) -> int:
     return verified_lengths([run], [draft], [drafter_name], [room], run.costs)[0]
 
 
+def free_port() -> int:
+    """A port on 127.0.0.1 nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def start_serve_command(*flags: str, timeout: float = 120):
     """`assistgen serve` started as a user starts it, on a free 127.0.0.1 port, once it answers /health.
     Returns (process, port); its output is piped to `process.stdout`."""
-    import socket
     import subprocess
     import sys
     import time
 
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "assistgen.cli.main", "serve", *flags, "--port", str(port)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + timeout

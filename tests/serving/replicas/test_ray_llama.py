@@ -5,12 +5,12 @@ its replica kept. `make test-ray` runs it."""
 from __future__ import annotations
 
 import random
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+from helpers import free_port
 
 from assistgen import Constant, generate, load_model
 from assistgen.api import encode_chat
@@ -21,12 +21,6 @@ LOADING = {"backend": "llama.cpp", "exact_prompts": True, "kept_bytes": "auto"} 
 STORIES = [f"Write a short story about a {a} and a {b}." for a, b in
            [("sun", "lake"), ("red fox", "star"), ("cat", "rock"), ("dog", "bird"), ("tree", "fish"),
             ("moon", "owl"), ("fish", "tree"), ("bird", "dog"), ("rock", "cat"), ("star", "red fox")]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

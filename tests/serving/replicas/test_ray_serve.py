@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
+from helpers import free_port
 
 from assistgen import generate, load_model
 from assistgen.serving.ray import ReplicaOptions, ReplicaSpec, route_key, start, stop
@@ -23,12 +23,6 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
            "The quick brown fox", "import numpy as np\n"]
 STORY = ("Repeat this text exactly: The lighthouse keeper climbed the spiral stairs every evening, "
          "lit the great lamp, and watched the ships pass the rocks until dawn.")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
