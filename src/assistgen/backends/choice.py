@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from assistgen.backends.machine import cpu_name
+from assistgen.backends.settings import LoadSettings
 from assistgen.paths import cache_root, measurement_file, recalled, remember
 
 TWINS = {"int8": "q8_0", "int4": "q4_0"}  # torch's scheme -> llama.cpp's GGUF type of the same width
@@ -77,7 +78,6 @@ def measured_backend(spec: str, settings, load: Callable) -> str:
 def measure(spec: str, settings, load: Callable) -> dict:
     """Both candidates loaded in turn and timed (the budget kept, if any); the record of the comparison."""
     from assistgen.backends.embedded import say
-    from assistgen.backends.settings import LoadSettings
 
     quantize = settings.quantize.lower()
 
