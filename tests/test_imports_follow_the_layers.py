@@ -25,7 +25,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "assistgen"
 LAYERS = {"config": 0, "stats": 0, "paths": 0, "backends": 1, "spec": 2, "policy": 3, "drafters": 4, "core": 5,
-          "api": 6, "serving": 7, "bench": 7, "cli": 8, "__init__": 8}
+          "api": 6, "speech": 6, "serving": 7, "bench": 7, "cli": 8, "__init__": 8}
 MODEL_MODULES = ("torch.nn", "transformers", "llama_cpp")  # what only the backends may import
 
 

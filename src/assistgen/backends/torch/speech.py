@@ -1,0 +1,379 @@
+"""Encoder-decoder speech targets (Whisper) behind the seam: the decoder, conditioned on one input, as a model.
+
+Contract: `SpeechModel` (`load_speech(spec)`: an embedded alias, a transformers folder or a hub id of a
+`WhisperForConditionalGeneration`) turns 16 kHz mono samples into log-mel features (`features`: one window of at
+most 30 s, transformers' `WhisperFeatureExtractor`) and builds the decoder prompt (`decoder_prompt`: an earlier
+text as <|startofprev|> ..., then <|startoftranscript|>, the language, the task, <|notimestamps|>). `listen(features,
+begin)` runs the encoder once and returns a `HeardModel`: a `backends.base.LanguageModel` whose caches start from
+that input (every cache, and every fork, reads the same cross-attention keys and values, computed once per layer
+from the encoder's output), so the generation loop, the drafters and the policy run on it unchanged. Its logits are
+those transformers' `generate()` decides on: the model's `suppress_tokens` are -inf on every row, and its
+`begin_suppress_tokens` on the row that predicts token `begin` (the first after the decoder prompt). The decoder's
+forward pass is written here over the Hugging Face module's weights, with the same operations in the same order
+(pre-norm layers, the query scaled before attention), and keys and values in preallocated buffers written by
+position (crop is free, fork copies the self-attention buffers). `truncated(n)` runs the first n decoder layers
+(early exit); measurements (`costs`) belong to the `SpeechModel`, shared by every input it hears.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from assistgen.backends.base import Capabilities, synced
+from assistgen.backends.embedded import ModelLoadError
+from assistgen.backends.torch.devices import model_device
+from assistgen.backends.torch.timing import clock, measurement_key
+
+SAMPLE_RATE = 16000
+WINDOW_S = 30  # one encoder window
+
+
+@dataclass(eq=False)
+class SpeechModel:
+    """A loaded Whisper: the Hugging Face module, its tokenizer and feature extractor."""
+
+    hf: torch.nn.Module
+    tokenizer: Any
+    extractor: Any
+    name: str
+    cache_key: str | None = None
+    costs: Any = None  # the policy's measurements of its decoder (one curve for every input)
+    backend = "torch"
+
+    @property
+    def generation(self):
+        return self.hf.generation_config
+
+    @property
+    def multilingual(self) -> bool:
+        return bool(getattr(self.generation, "is_multilingual", False))
+
+    @property
+    def languages(self) -> dict[str, int]:
+        """{"en": 50259, ...}: the language codes this model takes."""
+        return {k.strip("<|>"): v for k, v in (getattr(self.generation, "lang_to_id", None) or {}).items()}
+
+    def features(self, samples: np.ndarray) -> torch.Tensor:
+        """[1, mels, 3000] log-mel features of at most 30 s of 16 kHz mono float samples (padded to 30 s)."""
+        if len(samples) > SAMPLE_RATE * WINDOW_S:
+            raise ValueError(f"one window holds at most {WINDOW_S} s; got {len(samples) / SAMPLE_RATE:.1f} s")
+        out = self.extractor(samples, sampling_rate=SAMPLE_RATE, return_tensors="pt")
+        return out.input_features.to(model_device(self.hf), self.hf.dtype)
+
+    def decoder_prompt(self, language: str | None = None, task: str = "transcribe",
+                       previous: list[int] | None = None) -> list[int]:
+        """The decoder's first tokens, as `generate()` builds them (short-form, without timestamps)."""
+        g = self.generation
+        ids = [] if not previous else [g.prev_sot_token_id, *previous]
+        ids.append(g.decoder_start_token_id)
+        if self.multilingual:
+            if language is not None:
+                ids.append(self.languages[language])
+            ids.append(g.task_to_id[task])
+        ids.append(g.no_timestamps_token_id)
+        return ids
+
+    def listen(self, features: torch.Tensor, begin: int) -> HeardModel:
+        """The decoder conditioned on `features` (the encoder runs here, once); `begin`: the decoder prompt's
+        length (where `begin_suppress_tokens` apply)."""
+        with torch.inference_mode():
+            encoded = self.hf.model.encoder(features).last_hidden_state  # [1, frames, d]
+            cross = []
+            for layer in self.hf.model.decoder.layers:
+                attn = layer.encoder_attn
+                cross.append((heads(attn.k_proj(encoded), attn.num_heads), heads(attn.v_proj(encoded), attn.num_heads)))
+        return HeardModel(self, cross, begin)
+
+
+def heads(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[1, t, d] -> [1, n, t, d/n]."""
+    return x.view(1, x.shape[1], n, -1).transpose(1, 2).contiguous()
+
+
+def suppression(speech: SpeechModel, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Boolean [vocab] masks of the tokens suppressed everywhere and at the first generated position."""
+    always, first = torch.zeros(vocab, dtype=torch.bool), torch.zeros(vocab, dtype=torch.bool)
+    always[[t for t in (speech.generation.suppress_tokens or []) if t < vocab]] = True
+    first[[t for t in (speech.generation.begin_suppress_tokens or []) if t < vocab]] = True
+    return always.to(device), first.to(device)
+
+
+@dataclass(eq=False)
+class HeardModel:
+    """Whisper's decoder conditioned on one input: a `LanguageModel` (see the module's contract)."""
+
+    speech: SpeechModel
+    cross: list[tuple[torch.Tensor, torch.Tensor]]  # per decoder layer, keys and values [1, heads, frames, d]
+    begin: int  # the index of the first generated token (the decoder prompt's length)
+    layers: int | None = None  # run only the first `layers` decoder layers (early exit); None: all
+    backend = "torch"
+    max_sequences = None
+    masks: tuple = field(init=False)
+
+    def __post_init__(self):
+        self.masks = suppression(self.speech, self.vocab_size, self.device)
+
+    # --- what the loop reads ------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.speech.name if self.layers is None else f"{self.speech.name}[:{self.layers}]"
+
+    @property
+    def cache_key(self) -> str | None:
+        key = self.speech.cache_key
+        return None if key is None else (key if self.layers is None else f"{key}[:{self.layers}]")
+
+    @property
+    def tokenizer(self):
+        return self.speech.tokenizer
+
+    @property
+    def costs(self):
+        return self.speech.costs if self.layers is None else self._truncated_costs()
+
+    @costs.setter
+    def costs(self, value) -> None:
+        if self.layers is None:
+            self.speech.costs = value
+        else:
+            _TRUNCATED_COSTS[(id(self.speech), self.layers)] = value
+
+    def _truncated_costs(self):
+        return _TRUNCATED_COSTS.get((id(self.speech), self.layers))
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(first_layers=self.layers is None)
+
+    @property
+    def decoder(self):
+        return self.speech.hf.model.decoder
+
+    @property
+    def blocks(self):
+        layers = self.decoder.layers
+        return layers if self.layers is None else layers[: self.layers]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.speech.hf.get_output_embeddings().weight.shape[0]
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        value = self.speech.generation.eos_token_id
+        return tuple(int(i) for i in (value if isinstance(value, (list, tuple)) else [value]))
+
+    @property
+    def context_length(self) -> int:
+        return self.speech.hf.config.max_target_positions
+
+    @property
+    def device(self) -> torch.device:
+        return model_device(self.speech.hf)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.speech.hf.dtype
+
+    @property
+    def weight_bytes(self) -> int:
+        """What one decoder pass reads: its layers, final norm and output head (tied to the token embeddings)."""
+        parts = [*self.blocks.parameters(), *self.decoder.layer_norm.parameters(),
+                 *self.speech.hf.get_output_embeddings().parameters()]
+        return sum(p.numel() * p.element_size() for p in parts)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        d = self.speech.hf.config.d_model
+        return 2 * len(self.blocks) * d * torch.finfo(self.dtype).bits // 8
+
+    def new_cache(self) -> SpeechCache:
+        return SpeechCache(self)
+
+    def feed_together(self, feeds) -> list[torch.Tensor]:
+        """Each cache's pass in turn (the inputs differ, so their cross-attention does)."""
+        if any(cache.model is not self for cache, _, _ in feeds):
+            raise ValueError("feed_together needs caches of one model")
+        return [cache.feed(ids, keep) for cache, ids, keep in feeds]
+
+    def clock(self) -> float:
+        return clock(self.device)
+
+    def fingerprint(self, *extra: str) -> str:
+        return measurement_key(self.speech, f"decoder_layers={len(self.blocks)}", "kind=speech", *extra)
+
+    def optimize(self, mode: str = "auto", refresh: bool = False) -> None:
+        """No speed transforms for speech targets yet: the decoder runs as loaded."""
+
+    # --- the decoder's forward pass -----------------------------------------------------------------------
+    def forward(self, cache: SpeechCache, ids: list[int], keep: int) -> torch.Tensor:
+        """Append `ids` to `cache`; the logits [keep, vocab] float32 of its last `keep` rows, suppression applied."""
+        start, n = cache.length, len(ids)
+        if start + n > self.context_length:
+            raise ValueError(f"{self.name} holds {self.context_length} decoder positions; this pass would reach "
+                             f"{start + n}")
+        dec = self.decoder
+        device = self.device
+        tokens = torch.tensor([ids], device=device)
+        positions = torch.arange(start, start + n, device=device)
+        h = dec.embed_tokens(tokens) + dec.embed_positions.weight[positions]  # [1, n, d]
+        mask = None
+        if n > 1:  # the new rows attend causally to each other and to every cached position
+            mask = torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)
+        for i, layer in enumerate(self.blocks):
+            h = decoder_layer(layer, h, cache, i, start, mask, self.cross[i])
+        h = dec.layer_norm(h[:, -keep:])
+        logits = self.speech.hf.get_output_embeddings()(h)[0].float()  # [keep, vocab]
+        always, first = self.masks
+        logits = logits.masked_fill(always, float("-inf"))
+        row = self.begin - (start + n - keep) - 1  # the kept row that predicts token `begin`, if any
+        if 0 <= row < keep:
+            logits[row] = logits[row].masked_fill(first, float("-inf"))
+        cache.length = start + n
+        return logits
+
+    # --- capabilities.first_layers ------------------------------------------------------------------------
+    def truncated(self, n: int) -> HeardModel:
+        if not 1 <= n < len(self.decoder.layers):
+            raise ValueError(f"{self.name} has {len(self.decoder.layers)} decoder layers; early exit needs 1..."
+                             f"{len(self.decoder.layers) - 1}")
+        return HeardModel(self.speech, self.cross[:n], self.begin, layers=n)
+
+    def exit_agreement(self, ids: list[int], positions: int | None) -> list[float]:
+        """alpha_N, N = 1..L-1: how often exit N's argmax equals the full decoder's over `ids` (teacher-forced, on
+        this input), scored at the last `positions` of them (all: None)."""
+        ids = list(ids)[: self.context_length]
+        full = self.new_cache().feed(ids, len(ids)).argmax(-1)
+        score = slice(None) if positions is None else slice(-positions, None)
+        out = []
+        for n in range(1, len(self.decoder.layers)):
+            exit_tokens = self.truncated(n).new_cache().feed(ids, len(ids)).argmax(-1)
+            out.append(float((exit_tokens[score] == full[score]).float().mean()))
+        return out
+
+    def layer_costs(self) -> list[float]:
+        """c_N: the parameters a draft token of exit N touches (its layers and the head) over a full pass's."""
+        per_layer = [sum(p.numel() for p in layer.parameters()) for layer in self.decoder.layers]
+        head = sum(p.numel() for p in self.speech.hf.get_output_embeddings().parameters())
+        total = sum(per_layer) + head
+        return [(sum(per_layer[:n]) + head) / total for n in range(1, len(per_layer))]
+
+
+_TRUNCATED_COSTS: dict = {}
+
+
+def attention(attn, h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> torch.Tensor:
+    """Whisper's attention for queries from `h` [1, n, d] over keys/values [1, heads, t, d_h] (query scaled first,
+    as transformers does)."""
+    q = heads(attn.q_proj(h) * attn.scaling, attn.num_heads)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0)  # [1, heads, n, d_h]
+    return attn.out_proj(out.transpose(1, 2).reshape(h.shape))
+
+
+def decoder_layer(layer, h: torch.Tensor, cache: SpeechCache, i: int, start: int, mask, cross) -> torch.Tensor:
+    """One pre-norm decoder layer: self-attention over the cache, cross-attention over the input, feed-forward."""
+    x = layer.self_attn_layer_norm(h)
+    attn = layer.self_attn
+    keys, values = cache.write(i, heads(attn.k_proj(x), attn.num_heads), heads(attn.v_proj(x), attn.num_heads), start)
+    h = h + attention(attn, x, keys, values, mask)
+    x = layer.encoder_attn_layer_norm(h)
+    h = h + attention(layer.encoder_attn, x, cross[0], cross[1], None)
+    x = layer.final_layer_norm(h)
+    return h + layer.fc2(layer.activation_fn(layer.fc1(x)))
+
+
+class SpeechCache:
+    """One decoder sequence's self-attention keys and values ([1, heads, capacity, d_h] per layer, written by
+    position); the cross-attention ones are its model's, shared."""
+
+    def __init__(self, model: HeardModel):
+        self.model = model
+        self.device = model.device
+        self.keys: list[torch.Tensor | None] = [None] * len(model.blocks)
+        self.values: list[torch.Tensor | None] = [None] * len(model.blocks)
+        self.length = 0
+        self.tokens: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, start: int):
+        """Store [1, heads, n, d_h] at positions start.. of `layer`; the layer's keys and values up to them."""
+        end = start + key.shape[2]
+        buf = self.keys[layer]
+        if buf is None or buf.shape[2] < end:
+            capacity = max(end, 2 * (0 if buf is None else buf.shape[2]), 64)
+            grown_k = key.new_empty(1, key.shape[1], capacity, key.shape[3])
+            grown_v = torch.empty_like(grown_k)
+            if buf is not None:
+                grown_k[:, :, :start] = buf[:, :, :start]
+                grown_v[:, :, :start] = self.values[layer][:, :, :start]
+            self.keys[layer], self.values[layer] = grown_k, grown_v
+        self.keys[layer][:, :, start:end] = key
+        self.values[layer][:, :, start:end] = value
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def feed(self, ids: list[int], logits_to_keep: int = 1) -> torch.Tensor:
+        if not ids:
+            raise ValueError("feed() needs at least one token")
+        if not 1 <= logits_to_keep <= len(ids):
+            raise ValueError(f"logits_to_keep must be in 1..{len(ids)}, got {logits_to_keep}")
+        with torch.inference_mode():
+            logits = self.model.forward(self, ids, logits_to_keep)
+        self.tokens.extend(ids)
+        return logits
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= len(self.tokens):
+            raise ValueError(f"cannot crop a cache of {len(self.tokens)} positions to {length}")
+        self.length = length
+        del self.tokens[length:]
+
+    def fork(self) -> SpeechCache:
+        other = copy.copy(self)
+        other.keys = [None if t is None else t.clone() for t in self.keys]
+        other.values = [None if t is None else t.clone() for t in self.values]
+        other.tokens = list(self.tokens)
+        return other
+
+    def sync(self, ids: list[int], keep_last: int = 1) -> list[int]:
+        return synced(self, ids, keep_last)
+
+    def clock(self) -> float:
+        return clock(self.device)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
+
+
+def load_speech(spec: str, device: str | None = None) -> SpeechModel:
+    """A Whisper from an embedded alias (`embedded.SPEECH`, converted from CTranslate2 on first use and cached), a
+    transformers folder or a hub id."""
+    from pathlib import Path
+
+    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration, WhisperTokenizerFast
+
+    from assistgen.backends.embedded import SPEECH
+
+    key = spec.strip()
+    folder = SPEECH[key].folder() if key in SPEECH else key
+    local = Path(folder).expanduser().is_dir()
+    try:
+        hf = WhisperForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32,
+                                                             local_files_only=local)
+        tokenizer = WhisperTokenizerFast.from_pretrained(str(folder), local_files_only=local)
+        extractor = WhisperFeatureExtractor.from_pretrained(str(folder), local_files_only=local)
+    except (OSError, ValueError) as e:
+        known = ", ".join(SPEECH)
+        raise ModelLoadError(f"Cannot load the speech model {spec!r}: {e}. Give an embedded speech model ({known}), "
+                             "a folder with a transformers Whisper, or its hub id.") from e
+    hf.eval()
+    if device is not None:
+        hf.to(device)
+    return SpeechModel(hf, tokenizer, extractor, name=key, cache_key=key if key in SPEECH or local else key)

@@ -1,0 +1,186 @@
+"""Transcription: audio through a Whisper target, decoded by the one generation loop with any drafter.
+
+Contract: `transcribe(model, audio, ...)` reads the audio (`audio.read_audio`), cuts it into consecutive windows of
+at most 30 s, and for each one runs the encoder once (`SpeechModel.listen`) and the generation loop
+(`api.generate`) on the decoder conditioned on it, with the drafters asked for: prompt lookup, the n-gram cache,
+early exit (the target's own first decoder layers, on the same encoder output), or an assistant Whisper (its own
+encoder on the same window; another tokenizer switches to universal mode, the assistant starting from its own
+decoder prompt). The decoder prompt is transformers' short-form one (`SpeechModel.decoder_prompt`: the `prompt`
+text as earlier context, the language, the task, no timestamps); a multilingual model given no language detects
+it from the first window as `generate()` does (the most likely language token after <|startoftranscript|>). Each
+later window gets the text of the one before as its earlier context. Greedy output per window is the target's own
+(what `generate()` gives on the same features and decoder prompt); sampling follows its distribution. Names of
+speech models are resolved once per process (`as_speech_model`). Bad input raises `ConfigError` or `AudioError`
+naming the fix.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from assistgen.api import generate
+from assistgen.backends.embedded import SPEECH
+from assistgen.backends.torch.speech import SAMPLE_RATE, WINDOW_S, HeardModel, SpeechModel, load_speech
+from assistgen.config import ConfigError
+from assistgen.drafters.assistant import AssistantDrafter
+from assistgen.drafters.early_exit import calibrate_exit_layer
+from assistgen.drafters.universal import UniversalDrafter
+from assistgen.speech.audio import read_audio
+from assistgen.stats import Stats
+
+TASKS = ("transcribe", "translate")
+
+
+@dataclass
+class Window:
+    """One window's decoding: its time span, the decoder prompt, the generated ids and their statistics."""
+
+    start_s: float
+    end_s: float
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    stats: Stats
+
+
+@dataclass
+class Transcription:
+    text: str
+    language: str | None  # the language decoded in (given or detected); None for an English-only model
+    duration_s: float
+    windows: list[Window] = field(default_factory=list)
+
+    @property
+    def stats(self) -> Stats:
+        return Stats.combined([w.stats for w in self.windows])
+
+
+def load_speech_model(spec: str, device: str | None = None) -> SpeechModel:
+    """Load a Whisper: an embedded alias (whisper-base, whisper-tiny-en), a transformers folder or a hub id."""
+    return load_speech(spec, device)
+
+
+_NAMED: dict[str, SpeechModel] = {}
+_NAMING = threading.Lock()
+
+
+def as_speech_model(model) -> SpeechModel:
+    """A loaded `SpeechModel` as it is; a name (an embedded alias, a folder, a hub id) loaded once per process."""
+    if isinstance(model, SpeechModel):
+        return model
+    if not isinstance(model, str) or not model.strip():
+        raise ConfigError(f"A speech model must be a loaded one (assistgen.load_speech_model) or its name "
+                          f"({', '.join(SPEECH)}, a folder, a hub id), got {model!r}.")
+    with _NAMING:
+        key = model.strip()
+        if key not in _NAMED:
+            _NAMED[key] = load_speech(key)
+        return _NAMED[key]
+
+
+def windows(samples: np.ndarray) -> list[tuple[int, int]]:
+    """Consecutive [start, end) sample ranges of at most 30 s covering `samples`."""
+    size = SAMPLE_RATE * WINDOW_S
+    return [(i, min(i + size, len(samples))) for i in range(0, len(samples), size)]
+
+
+def check_language(speech: SpeechModel, language: str | None) -> str | None:
+    if language is None:
+        return None
+    if not speech.multilingual:
+        if language.strip().lower() in ("en", "english"):
+            return None
+        raise ConfigError(f"{speech.name} is English-only: it cannot take language={language!r}. Leave it out, or use "
+                          "a multilingual model (whisper-base).")
+    code = language.strip().lower()
+    if code not in speech.languages:
+        raise ConfigError(f"{speech.name} does not know the language {language!r}: give an ISO 639-1 code it knows "
+                          f"({', '.join(sorted(speech.languages)[:12])}, ...).")
+    return code
+
+
+def detect_language(speech: SpeechModel, heard: HeardModel) -> str:
+    """The most likely language token after <|startoftranscript|> (transformers' `detect_language`)."""
+    logits = heard.new_cache().feed([speech.generation.decoder_start_token_id])[-1]
+    codes = list(speech.languages)
+    ids = [speech.languages[c] for c in codes]
+    return codes[int(logits[ids].argmax())]
+
+
+_EXIT_LAYERS: dict[int, int] = {}  # id(speech model) -> the exit layer its calibration chose
+
+
+def exit_layers(speech: SpeechModel, heard: HeardModel, early_exit: bool | int) -> int:
+    """The exit layer: the given one, or the calibrated one (once per model: on its first input, over the decoder
+    prompt and the package's sample article)."""
+    if early_exit is not True:
+        return int(early_exit)
+    if id(speech) not in _EXIT_LAYERS:
+        from importlib.resources import files
+
+        text = files("assistgen").joinpath("data/article.txt").read_text()
+        ids = heard_prompt(speech) + list(speech.tokenizer(text, add_special_tokens=False)["input_ids"])[:252]
+        _EXIT_LAYERS[id(speech)] = calibrate_exit_layer(heard, ids)[0]
+    return _EXIT_LAYERS[id(speech)]
+
+
+def heard_prompt(speech: SpeechModel) -> list[int]:
+    return speech.decoder_prompt("en" if speech.multilingual else None)
+
+
+def assistant_drafter(target: HeardModel, assistant: SpeechModel, window: np.ndarray, language: str | None):
+    """The assistant Whisper on the same window: same tokenizer, it drafts token ids directly; another, in universal
+    mode from its own decoder prompt."""
+    own_language = language if assistant.multilingual else None
+    prompt = assistant.decoder_prompt(own_language)
+    heard = assistant.listen(assistant.features(window), begin=len(prompt))
+    if assistant.tokenizer.get_vocab() == target.tokenizer.get_vocab():
+        return AssistantDrafter(heard, target)
+    return UniversalDrafter(heard, target, prefix=prompt)
+
+
+def transcribe(model, audio, assistant=None, language: str | None = None, prompt: str | None = None,
+               task: str = "transcribe", lookup: bool = False, early_exit: bool | int = False, ngram_cache=False,
+               schedule=None, temperature: float = 0.0, seed: int | None = None, max_new_tokens: int | None = None,
+               max_seconds: float | None = None) -> Transcription:
+    """Transcribe `audio` (a path, bytes, a binary file, or 16 kHz mono samples) with `model` (see the contract)."""
+    speech = as_speech_model(model)
+    helper = None if assistant is None else as_speech_model(assistant)
+    if helper is not None and early_exit:
+        raise ConfigError("Choose either an assistant model or early exit, not both.")
+    if task not in TASKS:
+        raise ConfigError(f"task must be one of {', '.join(TASKS)}, got {task!r}.")
+    if task == "translate" and not speech.multilingual:
+        raise ConfigError(f"{speech.name} is English-only: it cannot translate. Use task='transcribe'.")
+    language = check_language(speech, language)
+    samples = read_audio(audio, max_seconds)
+    previous = list(speech.tokenizer(" " + prompt.strip(), add_special_tokens=False)["input_ids"]) \
+        if prompt and prompt.strip() else None
+    out = Transcription("", language, len(samples) / SAMPLE_RATE)
+    texts = []
+    for start, end in windows(samples):
+        window = samples[start:end]
+        features = speech.features(window)
+        if speech.multilingual and language is None:
+            language = detect_language(speech, speech.listen(features, begin=0))
+            out.language = language
+        ids = speech.decoder_prompt(language, task, previous)
+        heard = speech.listen(features, begin=len(ids))
+        room = heard.context_length - len(ids)
+        if max_new_tokens is not None and not 1 <= max_new_tokens <= room:
+            raise ConfigError(f"max_new_tokens must be in 1..{room} for this decoder prompt, got {max_new_tokens}.")
+        drafter = assistant_drafter(heard, helper, window, language) if helper is not None else None
+        exit_n = exit_layers(speech, heard, early_exit) if early_exit else False
+        result = generate(heard, ids, assistant=drafter, lookup=lookup, early_exit=exit_n, ngram_cache=ngram_cache,
+                          schedule=schedule, max_new_tokens=max_new_tokens or room, temperature=temperature,
+                          seed=seed)
+        text = speech.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        out.windows.append(Window(start / SAMPLE_RATE, end / SAMPLE_RATE, ids, result.token_ids, text, result.stats))
+        texts.append(text.strip())
+        spoken = [t for t in result.token_ids if t < min(heard.eos_token_ids)]  # text tokens only
+        previous = spoken[-(heard.context_length // 2 - 1):] or previous  # the next window's earlier context
+    out.text = " ".join(t for t in texts if t)
+    return out

@@ -1,0 +1,110 @@
+"""Transcripts on the embedded Whisper models: every drafter gives transformers' own greedy transcript."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from assistgen.config import ConfigError
+from assistgen.policy.rules import Constant
+from assistgen.speech.audio import AudioError, read_audio
+from assistgen.speech.transcribe import transcribe
+
+
+def reference(speech, path, language="en") -> list[int]:
+    """transformers' generate() on the same features: greedy, short-form, no timestamps."""
+    features = speech.features(read_audio(path))
+    kwargs = {"language": language, "task": "transcribe"} if speech.multilingual else {}
+    with torch.inference_mode():
+        out = speech.hf.generate(features, **kwargs)[0].tolist()
+    return [t for t in out if t < speech.generation.eos_token_id]  # its text tokens
+
+
+def spoken(window, speech) -> list[int]:
+    assert window.token_ids[-1] == speech.generation.eos_token_id  # it ended by itself
+    return window.token_ids[:-1]
+
+
+DRAFTERS = {
+    "plain": {},
+    "lookup": {"lookup": True},
+    "ngram": {"ngram_cache": True},
+    "early-exit": {"early_exit": 3},
+    "assistant (universal)": {"assistant": "whisper-tiny-en"},
+}
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+@pytest.mark.parametrize("forced", [False, True], ids=["adaptive", "k=3"])
+def test_every_drafter_gives_the_reference_transcript(whisper_base, whisper_tiny_en, clip, repeated_clip, name,
+                                                      forced):
+    for path in (clip, repeated_clip):
+        kwargs = dict(DRAFTERS[name], schedule=Constant(k=3)) if forced else DRAFTERS[name]
+        out = transcribe(whisper_base, path, language="en", **kwargs)
+        assert len(out.windows) == 1
+        assert spoken(out.windows[0], whisper_base) == reference(whisper_base, path)
+        if forced and name != "plain":
+            assert out.stats.drafted_tokens > 0  # the verification path ran
+
+
+def test_drafts_are_accepted_where_the_speech_repeats(whisper_base, repeated_clip):
+    out = transcribe(whisper_base, repeated_clip, language="en", lookup=True, schedule=Constant(k=3))
+    assert out.text.lower().count("please") == 3
+    assert out.stats.accepted_tokens >= 6
+
+
+def test_the_universal_assistant_is_accepted(whisper_base, clip):
+    out = transcribe(whisper_base, clip, language="en", assistant="whisper-tiny-en", schedule=Constant(k=3))
+    assert out.stats.accepted_tokens >= out.stats.drafted_tokens // 2  # tiny.en hears what base hears
+
+
+def test_the_english_only_model_transcribes_alone_and_as_its_own_reference(whisper_tiny_en, clip):
+    out = transcribe(whisper_tiny_en, clip, lookup=True, schedule=Constant(k=3))
+    assert spoken(out.windows[0], whisper_tiny_en) == reference(whisper_tiny_en, clip)
+    assert out.language is None
+
+
+def test_the_language_is_detected_as_transformers_does(whisper_base, clip):
+    out = transcribe(whisper_base, clip)
+    assert out.language == "en"
+    features = whisper_base.features(read_audio(clip))
+    detected = whisper_base.hf.detect_language(features)  # [batch] language token ids
+    assert int(detected[0]) == whisper_base.languages["en"]
+
+
+def test_long_audio_is_decoded_in_windows(whisper_base, clip):
+    samples = read_audio(clip)
+    gap = np.zeros(16000 * 30 - len(samples), np.float32)  # the first window is the clip and silence: 30 s exactly
+    out = transcribe(whisper_base, np.concatenate([samples, gap, samples]), language="en")
+    assert [(w.start_s, round(w.end_s, 2)) for w in out.windows] == [(0.0, 30.0), (30.0, round(30 + len(samples) /
+                                                                                                 16000, 2))]
+    assert out.text.lower().count("lazy dog") == 2
+    assert out.windows[1].prompt_ids[0] == whisper_base.generation.prev_sot_token_id  # the first window's text before
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"language": "xx"}, "does not know the language"),
+    ({"task": "summarize"}, "task must be one of"),
+    ({"assistant": "whisper-tiny-en", "early_exit": True}, "either an assistant model or early exit"),
+    ({"max_new_tokens": 0}, "max_new_tokens must be in 1.."),
+])
+def test_bad_settings_name_the_fix(whisper_base, clip, kwargs, words):
+    with pytest.raises(ConfigError, match=words):
+        transcribe(whisper_base, clip, **kwargs)
+
+
+def test_english_only_models_refuse_other_languages(whisper_tiny_en, clip):
+    with pytest.raises(ConfigError, match="English-only"):
+        transcribe(whisper_tiny_en, clip, language="fr")
+
+
+@pytest.mark.parametrize("data, words", [(b"", "is empty"), (b"not audio at all", "not audio in a format")])
+def test_bad_audio_names_the_problem(whisper_base, data, words):
+    with pytest.raises(AudioError, match=words):
+        transcribe(whisper_base, data)
+
+
+def test_audio_over_the_limit_is_refused(whisper_base, clip):
+    with pytest.raises(AudioError, match="over the limit of 2 s"):
+        transcribe(whisper_base, clip, max_seconds=2)
