@@ -1,4 +1,5 @@
-"""Command line: `assistgen generate`, `models`, `calibrate`, `bench`, `demo` and `serve` (an OpenAI-compatible server).
+"""Command line: `assistgen generate`, `transcribe`, `models`, `calibrate`, `bench`, `demo` and `serve` (an
+OpenAI-compatible server).
 
 Contract: parses arguments into the API's objects (no defaults re-declared here: unset options are
 simply not passed; shared options in `options.py`) and prints. Errors from bad input are printed as one
@@ -92,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="plain vs assisted decoding on an embedded model, side by side")
     demo.add_argument("--model", default=None)
     demo.add_argument("--max-new-tokens", type=int, default=None)
+
+    from assistgen.cli.transcribe import add_arguments as add_transcribe
+
+    add_transcribe(sub.add_parser("transcribe", help="speech to text with a Whisper target, assisted like generate"))
 
     add_serve(sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)"))
     return parser
@@ -321,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(args.model, args.max_new_tokens)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "transcribe":
+            from assistgen.cli.transcribe import run_command as transcribe_command
+
+            return transcribe_command(args)
     except (ConfigError, ModelLoadError, DatasetError, ValueError) as e:
         print(f"assistgen: error: {e}", file=sys.stderr)
         return 2

@@ -63,5 +63,7 @@ def decode(source, name: str) -> np.ndarray:
                 chunks.extend(f.to_ndarray().reshape(-1) for f in resampler.resample(frame))
             chunks.extend(f.to_ndarray().reshape(-1) for f in resampler.resample(None))
     except av.error.FFmpegError as e:
-        raise AudioError(f"{name} is not audio in a format assistgen reads ({FORMATS}): {e}.") from e
+        reason = getattr(e, "strerror", None) or str(e)
+        raise AudioError(f"{name} is not audio in a format assistgen reads ({FORMATS}): FFmpeg says "
+                         f"\"{reason}\".") from e
     return np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, np.float32)

@@ -16,6 +16,7 @@ naming the fix.
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -55,7 +56,9 @@ class Transcription:
 
     @property
     def stats(self) -> Stats:
-        return Stats.combined([w.stats for w in self.windows])
+        combined = Stats.combined([w.stats for w in self.windows])
+        combined.finish_reason = self.windows[-1].stats.finish_reason if self.windows else ""
+        return combined
 
 
 def load_speech_model(spec: str, device: str | None = None) -> SpeechModel:
@@ -147,6 +150,7 @@ def transcribe(model, audio, assistant=None, language: str | None = None, prompt
                schedule=None, temperature: float = 0.0, seed: int | None = None, max_new_tokens: int | None = None,
                max_seconds: float | None = None) -> Transcription:
     """Transcribe `audio` (a path, bytes, a binary file, or 16 kHz mono samples) with `model` (see the contract)."""
+    samples = read_audio(audio, max_seconds, name=str(audio) if isinstance(audio, (str, os.PathLike)) else "the audio")
     speech = as_speech_model(model)
     helper = None if assistant is None else as_speech_model(assistant)
     if helper is not None and early_exit:
@@ -156,7 +160,6 @@ def transcribe(model, audio, assistant=None, language: str | None = None, prompt
     if task == "translate" and not speech.multilingual:
         raise ConfigError(f"{speech.name} is English-only: it cannot translate. Use task='transcribe'.")
     language = check_language(speech, language)
-    samples = read_audio(audio, max_seconds)
     previous = list(speech.tokenizer(" " + prompt.strip(), add_special_tokens=False)["input_ids"]) \
         if prompt and prompt.strip() else None
     out = Transcription("", language, len(samples) / SAMPLE_RATE)

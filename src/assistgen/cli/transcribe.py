@@ -1,0 +1,57 @@
+"""`assistgen transcribe FILE`: speech to text with a Whisper target and any drafter, then statistics.
+
+Contract: parses arguments into `speech.transcribe`'s (unset options are not passed), prints the transcript on
+standard output (text, or with --json the windows and statistics) and the statistics on standard error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from assistgen.speech.transcribe import transcribe
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="an audio file (flac, mp3, mp4, m4a, ogg, wav, webm, ...; '-' reads standard input)")
+    p.add_argument("--model", "-m", default="whisper-base",
+                   help="a Whisper: whisper-base, whisper-tiny-en, a transformers folder or a hub id")
+    p.add_argument("--language", help="ISO 639-1 code of the speech (default: detected)")
+    p.add_argument("--prompt", help="earlier text the transcript continues (names, spelling)")
+    p.add_argument("--translate", action="store_true", help="translate into English instead of transcribing")
+    p.add_argument("--lookup", action="store_true", help="prompt-lookup drafting (no second model)")
+    p.add_argument("--ngram-cache", action="store_true", help="draft from n-grams of earlier transcripts too")
+    drafter = p.add_mutually_exclusive_group()
+    drafter.add_argument("--assistant", "-a",
+                         help="an assistant Whisper (another tokenizer switches to universal mode: whisper-tiny-en)")
+    drafter.add_argument("--early-exit", nargs="?", const=True, type=int, metavar="LAYERS",
+                         help="self-drafting with the target's first LAYERS decoder layers (calibrated if omitted)")
+    p.add_argument("--temperature", type=float, help="0 (default) is greedy")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--json", action="store_true", help="print the windows and statistics as JSON")
+    p.add_argument("--quiet-stats", action="store_true", help="do not print statistics")
+
+
+def run_command(args: argparse.Namespace) -> int:
+
+    audio = sys.stdin.buffer.read() if args.file == "-" else args.file
+    options = {k: v for k in ("language", "prompt", "assistant", "temperature", "seed")
+               if (v := getattr(args, k)) is not None}
+    out = transcribe(args.model, audio, lookup=args.lookup, ngram_cache=args.ngram_cache,
+                     early_exit=args.early_exit or False, task="translate" if args.translate else "transcribe",
+                     **options)
+    stats = out.stats
+    if args.json:
+        print(json.dumps({"text": out.text, "language": out.language, "duration": round(out.duration_s, 3),
+                          "windows": [{"start": w.start_s, "end": w.end_s, "text": w.text, "tokens": w.token_ids}
+                                      for w in out.windows],
+                          "stats": {"steps": stats.steps, "drafted": stats.drafted_tokens,
+                                    "accepted": stats.accepted_tokens, "decoder_s": round(stats.total_s, 4)}}))
+    else:
+        print(out.text)
+    if not args.quiet_stats:
+        print(f"\n--- statistics ({out.duration_s:.1f} s of audio, {len(out.windows)} window(s), language "
+              f"{out.language or 'en (English-only model)'}) ---", file=sys.stderr)
+        print(stats.summary(), file=sys.stderr)
+    return 0
