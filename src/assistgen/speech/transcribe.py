@@ -24,7 +24,14 @@ import numpy as np
 
 from assistgen.api import generate
 from assistgen.backends.embedded import SPEECH
-from assistgen.backends.torch.speech import SAMPLE_RATE, WINDOW_S, HeardModel, SpeechModel, load_speech
+from assistgen.backends.torch.speech import (
+    DRAFT_VOCABULARY,
+    SAMPLE_RATE,
+    WINDOW_S,
+    HeardModel,
+    SpeechModel,
+    load_speech,
+)
 from assistgen.config import ConfigError
 from assistgen.drafters.assistant import AssistantDrafter
 from assistgen.drafters.early_exit import calibrate_exit_layer
@@ -139,7 +146,7 @@ def assistant_drafter(target: HeardModel, assistant: SpeechModel, window: np.nda
     mode from its own decoder prompt."""
     own_language = language if assistant.multilingual else None
     prompt = assistant.decoder_prompt(own_language)
-    heard = assistant.listen(assistant.features(window), begin=len(prompt))
+    heard = assistant.listen(assistant.features(window), begin=len(prompt), draft_vocabulary=DRAFT_VOCABULARY)
     if assistant.tokenizer.get_vocab() == target.tokenizer.get_vocab():
         return AssistantDrafter(heard, target)
     return UniversalDrafter(heard, target, prefix=prompt)

@@ -2,14 +2,14 @@
 
 Contract: `SpeechModel` (`load_speech(spec)`: an embedded alias, a transformers folder or a hub id of a
 `WhisperForConditionalGeneration`) turns 16 kHz mono samples into log-mel features (`features`: one window of at
-most 30 s, transformers' `WhisperFeatureExtractor`) and builds the decoder prompt (`decoder_prompt`: an earlier
-text as <|startofprev|> ..., then <|startoftranscript|>, the language, the task, <|notimestamps|>). `listen(features,
-begin)` runs the encoder once and returns a `HeardModel`: a `backends.base.LanguageModel` whose caches start from
-that input (every cache, and every fork, reads the same cross-attention keys and values, computed once per layer
-from the encoder's output), so the generation loop, the drafters and the policy run on it unchanged. Its logits are
-those transformers' `generate()` decides on: the model's `suppress_tokens` are -inf on every row, and its
-`begin_suppress_tokens` on the row that predicts token `begin` (the first after the decoder prompt). The decoder's
-forward pass is written here over the Hugging Face module's weights, with the same operations in the same order
+most 30 s, transformers' `WhisperFeatureExtractor`), builds the decoder prompt (`decoder_prompt`: an earlier
+text as <|startofprev|> ..., then <|startoftranscript|>, the language, the task, <|notimestamps|>) and names its
+languages in English (`language_names`). `listen(features, begin)` runs the encoder once and returns a
+`HeardModel`: a `backends.base.LanguageModel` whose caches start from that input (every cache, and every fork, reads
+the same cross-attention keys and values, computed once per layer from the encoder's output), so the generation
+loop, the drafters and the policy run on it unchanged. Its logits are those transformers' `generate()` decides on:
+the model's `suppress_tokens` are -inf on every row, and its `begin_suppress_tokens` on the row that predicts token
+`begin` (the first after the decoder prompt). The decoder's forward pass is written here over the Hugging Face module's weights, with the same operations in the same order
 (pre-norm layers, the query scaled before attention), and keys and values in preallocated buffers written by
 position (crop is free, fork copies the self-attention buffers). `truncated(n)` runs the first n decoder layers
 (early exit); measurements (`costs`) belong to the `SpeechModel`, shared by every input it hears.
@@ -32,6 +32,7 @@ from assistgen.backends.torch.timing import clock, measurement_key
 
 SAMPLE_RATE = 16000
 WINDOW_S = 30  # one encoder window
+DRAFT_VOCABULARY = 16384  # the token ids a drafter's head computes (`HeardModel.draft_vocabulary`)
 
 
 @dataclass(eq=False)
@@ -59,6 +60,18 @@ class SpeechModel:
         """{"en": 50259, ...}: the language codes this model takes."""
         return {k.strip("<|>"): v for k, v in (getattr(self.generation, "lang_to_id", None) or {}).items()}
 
+    @property
+    def language_names(self) -> dict[str, str]:
+        """{"en": "english", ...}: the English name of each language code this model takes (transformers')."""
+        from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+        return {code: LANGUAGES.get(code, code) for code in self.languages}
+
+    @property
+    def context_length(self) -> int:
+        """The decoder's positions (prompt and generated tokens together)."""
+        return self.hf.config.max_target_positions
+
     def features(self, samples: np.ndarray) -> torch.Tensor:
         """[1, mels, 3000] log-mel features of at most 30 s of 16 kHz mono float samples (padded to 30 s)."""
         if len(samples) > SAMPLE_RATE * WINDOW_S:
@@ -79,16 +92,16 @@ class SpeechModel:
         ids.append(g.no_timestamps_token_id)
         return ids
 
-    def listen(self, features: torch.Tensor, begin: int) -> HeardModel:
+    def listen(self, features: torch.Tensor, begin: int, draft_vocabulary: int | None = None) -> HeardModel:
         """The decoder conditioned on `features` (the encoder runs here, once); `begin`: the decoder prompt's
-        length (where `begin_suppress_tokens` apply)."""
+        length (where `begin_suppress_tokens` apply); `draft_vocabulary`: for a drafter, see `HeardModel`."""
         with torch.inference_mode():
             encoded = self.hf.model.encoder(features).last_hidden_state  # [1, frames, d]
             cross = []
             for layer in self.hf.model.decoder.layers:
                 attn = layer.encoder_attn
                 cross.append((heads(attn.k_proj(encoded), attn.num_heads), heads(attn.v_proj(encoded), attn.num_heads)))
-        return HeardModel(self, cross, begin)
+        return HeardModel(self, cross, begin, draft_vocabulary=draft_vocabulary)
 
 
 def heads(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -112,12 +125,23 @@ class HeardModel:
     cross: list[tuple[torch.Tensor, torch.Tensor]]  # per decoder layer, keys and values [1, heads, frames, d]
     begin: int  # the index of the first generated token (the decoder prompt's length)
     layers: int | None = None  # run only the first `layers` decoder layers (early exit); None: all
+    # A drafter's output head over the first `draft_vocabulary` token ids only (byte-level BPE numbers its tokens in
+    # the order of their merges, so these are the most frequent ones) and the end token; every other logit is -inf.
+    # The head is the larger part of a Whisper decoder pass; a draft of a rarer token is left to the target.
+    draft_vocabulary: int | None = None
     backend = "torch"
     max_sequences = None
     masks: tuple = field(init=False)
+    head: tuple = field(init=False)  # (the head's weight rows computed, their ids beyond the first rows or None)
 
     def __post_init__(self):
         self.masks = suppression(self.speech, self.vocab_size, self.device)
+        weight = self.speech.hf.get_output_embeddings().weight  # [vocab, d]
+        if self.draft_vocabulary is None or self.draft_vocabulary >= self.vocab_size:
+            self.head = (weight, None)
+        else:
+            extra = torch.tensor(self.eos_token_ids, device=self.device)
+            self.head = (torch.cat([weight[: self.draft_vocabulary], weight[extra]]), extra)
 
     # --- what the loop reads ------------------------------------------------------------------------------
     @property
@@ -171,7 +195,7 @@ class HeardModel:
 
     @property
     def context_length(self) -> int:
-        return self.speech.hf.config.max_target_positions
+        return self.speech.context_length
 
     @property
     def device(self) -> torch.device:
@@ -184,8 +208,7 @@ class HeardModel:
     @property
     def weight_bytes(self) -> int:
         """What one decoder pass reads: its layers, final norm and output head (tied to the token embeddings)."""
-        parts = [*self.blocks.parameters(), *self.decoder.layer_norm.parameters(),
-                 *self.speech.hf.get_output_embeddings().parameters()]
+        parts = [*self.blocks.parameters(), *self.decoder.layer_norm.parameters(), self.head[0]]
         return sum(p.numel() * p.element_size() for p in parts)
 
     @property
@@ -228,8 +251,7 @@ class HeardModel:
             mask = torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)
         for i, layer in enumerate(self.blocks):
             h = decoder_layer(layer, h, cache, i, start, mask, self.cross[i])
-        h = dec.layer_norm(h[:, -keep:])
-        logits = self.speech.hf.get_output_embeddings()(h)[0].float()  # [keep, vocab]
+        logits = self.project(dec.layer_norm(h[:, -keep:])[0])  # [keep, vocab]
         always, first = self.masks
         logits = logits.masked_fill(always, float("-inf"))
         row = self.begin - (start + n - keep) - 1  # the kept row that predicts token `begin`, if any
@@ -238,12 +260,25 @@ class HeardModel:
         cache.length = start + n
         return logits
 
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """[keep, d] -> [keep, vocab] float32 logits: the whole head, or a drafter's rows of it (-inf elsewhere)."""
+        weight, extra = self.head
+        logits = F.linear(h, weight).float()
+        if extra is None:
+            return logits
+        full = logits.new_full((h.shape[0], self.vocab_size), float("-inf"))
+        n = self.draft_vocabulary
+        full[:, :n] = logits[:, :n]
+        full[:, extra] = logits[:, n:]
+        return full
+
     # --- capabilities.first_layers ------------------------------------------------------------------------
     def truncated(self, n: int) -> HeardModel:
         if not 1 <= n < len(self.decoder.layers):
             raise ValueError(f"{self.name} has {len(self.decoder.layers)} decoder layers; early exit needs 1..."
                              f"{len(self.decoder.layers) - 1}")
-        return HeardModel(self.speech, self.cross[:n], self.begin, layers=n)
+        return HeardModel(self.speech, self.cross[:n], self.begin, layers=n,
+                          draft_vocabulary=self.draft_vocabulary or DRAFT_VOCABULARY)
 
     def exit_agreement(self, ids: list[int], positions: int | None) -> list[float]:
         """alpha_N, N = 1..L-1: how often exit N's argmax equals the full decoder's over `ids` (teacher-forced, on
@@ -258,11 +293,12 @@ class HeardModel:
         return out
 
     def layer_costs(self) -> list[float]:
-        """c_N: the parameters a draft token of exit N touches (its layers and the head) over a full pass's."""
+        """c_N: the parameters a draft token of exit N touches (its layers and its head's rows) over a full pass's."""
         per_layer = [sum(p.numel() for p in layer.parameters()) for layer in self.decoder.layers]
-        head = sum(p.numel() for p in self.speech.hf.get_output_embeddings().parameters())
+        head = self.head[0].numel()
+        drafts = self.truncated(1).head[0].numel()
         total = sum(per_layer) + head
-        return [(sum(per_layer[:n]) + head) / total for n in range(1, len(per_layer))]
+        return [(sum(per_layer[:n]) + drafts) / total for n in range(1, len(per_layer))]
 
 
 _TRUNCATED_COSTS: dict = {}
