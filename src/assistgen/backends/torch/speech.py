@@ -9,10 +9,11 @@ languages in English (`language_names`). `listen(features, begin)` runs the enco
 the same cross-attention keys and values, computed once per layer from the encoder's output), so the generation
 loop, the drafters and the policy run on it unchanged. Its logits are those transformers' `generate()` decides on:
 the model's `suppress_tokens` are -inf on every row, and its `begin_suppress_tokens` on the row that predicts token
-`begin` (the first after the decoder prompt). The decoder's forward pass is written here over the Hugging Face module's weights, with the same operations in the same order
-(pre-norm layers, the query scaled before attention), and keys and values in preallocated buffers written by
-position (crop is free, fork copies the self-attention buffers). `truncated(n)` runs the first n decoder layers
-(early exit); measurements (`costs`) belong to the `SpeechModel`, shared by every input it hears.
+`begin` (the first after the decoder prompt). The decoder's forward pass is written here over the Hugging Face
+module's weights, with the same operations in the same order (pre-norm layers, the query scaled before attention),
+and keys and values in preallocated buffers written by position (crop is free, fork copies the self-attention
+buffers). `truncated(n)` runs the first n decoder layers (early exit); measurements (`costs`) belong to the
+`SpeechModel`, shared by every input it hears.
 """
 
 from __future__ import annotations
@@ -91,6 +92,18 @@ class SpeechModel:
             ids.append(g.task_to_id[task])
         ids.append(g.no_timestamps_token_id)
         return ids
+
+    def optimize(self, mode: str = "auto") -> None:
+        """The CPU's small-row linear route (`transforms.small_rows_linear`, MKL's product of W with the rows'
+        transpose, one row padded to two) on every linear layer: a verification pass over a few rows then costs little
+        more than one row (PyTorch's own linear costs about twice as much for two rows as for one here). Prompts and
+        the encoder (more rows than the route takes) keep PyTorch's linear. transformers' `generate()` on this module
+        runs the same layers. Measured costs no longer hold and are dropped."""
+        from assistgen.backends.torch.transforms import small_rows_linear
+
+        if model_device(self.hf).type == "cpu" and mode:
+            small_rows_linear(self.hf, mode="on" if mode == "on" else "auto", routes="mkl")
+        self.costs = None
 
     def listen(self, features: torch.Tensor, begin: int, draft_vocabulary: int | None = None) -> HeardModel:
         """The decoder conditioned on `features` (the encoder runs here, once); `begin`: the decoder prompt's
@@ -229,7 +242,10 @@ class HeardModel:
         return clock(self.device)
 
     def fingerprint(self, *extra: str) -> str:
-        return measurement_key(self.speech, f"decoder_layers={len(self.blocks)}", "kind=speech", *extra)
+        from assistgen.backends.torch.transforms import applied_routes
+
+        return measurement_key(self.speech, f"decoder_layers={len(self.blocks)}", "kind=speech",
+                               f"routes={applied_routes(self.speech.hf)}", f"head={self.head[0].shape[0]}", *extra)
 
     def optimize(self, mode: str = "auto", refresh: bool = False) -> None:
         """No speed transforms for speech targets yet: the decoder runs as loaded."""
@@ -263,9 +279,9 @@ class HeardModel:
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """[keep, d] -> [keep, vocab] float32 logits: the whole head, or a drafter's rows of it (-inf elsewhere)."""
         weight, extra = self.head
-        logits = F.linear(h, weight).float()
         if extra is None:
-            return logits
+            return self.speech.hf.get_output_embeddings()(h).float()  # the model's own head (its route, if optimized)
+        logits = rows_product(weight, h).float()
         full = logits.new_full((h.shape[0], self.vocab_size), float("-inf"))
         n = self.draft_vocabulary
         full[:, :n] = logits[:, :n]
@@ -302,6 +318,12 @@ class HeardModel:
 
 
 _TRUNCATED_COSTS: dict = {}
+
+
+def rows_product(weight: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """h @ W.T for a few rows [n, d] as (W @ h.T).T, one row padded to two (the small-row route: a drafter's head)."""
+    padded = torch.cat([h, torch.zeros_like(h)]) if h.shape[0] == 1 else h.contiguous()
+    return (weight @ padded.T).T[: h.shape[0]]
 
 
 def attention(attn, h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> torch.Tensor:
@@ -388,9 +410,9 @@ class SpeechCache:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
 
 
-def load_speech(spec: str, device: str | None = None) -> SpeechModel:
+def load_speech(spec: str, device: str | None = None, fast_linear: bool | str = "auto") -> SpeechModel:
     """A Whisper from an embedded alias (`embedded.SPEECH`, converted from CTranslate2 on first use and cached), a
-    transformers folder or a hub id."""
+    transformers folder or a hub id; `fast_linear` ("auto", True, False): `SpeechModel.optimize` after loading."""
     from pathlib import Path
 
     from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration, WhisperTokenizerFast
@@ -412,4 +434,7 @@ def load_speech(spec: str, device: str | None = None) -> SpeechModel:
     hf.eval()
     if device is not None:
         hf.to(device)
-    return SpeechModel(hf, tokenizer, extractor, name=key, cache_key=key if key in SPEECH or local else key)
+    model = SpeechModel(hf, tokenizer, extractor, name=key, cache_key=key)
+    if fast_linear:
+        model.optimize("on" if fast_linear is True else "auto")
+    return model

@@ -1,0 +1,167 @@
+"""Speech recognition benchmark: Whisper base on clips synthesized with espeak-ng, plain against every drafter and
+against transformers' own generate() (plain, and with its assistant_model where it takes one).
+
+The set: the sentences below, spoken by espeak-ng (22.05 kHz WAV, read back at 16 kHz by `speech.audio`) into
+--out-dir; nothing is kept in git. Each clip is transcribed greedily in English by every method, in turn, --repeat
+times (the best time kept); the word error rate is taken against the source text (jiwer, after lower-casing and
+removing punctuation). Decoder time is the generation loop's own (`Stats.total_s`, the encoder excluded: it runs
+once per window whatever the drafter); end-to-end is the whole call, audio decoding and encoder included. Every
+assistgen method's tokens are checked equal to plain decoding's (exactness), and plain's to transformers'
+generate(). Prints one table and one JSON line.
+
+    PYTHONPATH=src python benchmarks/speech.py [--repeat 3] [--methods plain,lookup,...] [--out-dir build/speech]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from assistgen.speech.audio import read_audio
+from assistgen.speech.transcribe import as_speech_model, transcribe
+
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding makes text generation faster without changing what the model says.",
+    "Please hold the line. Please hold the line. Your call is important to us.",
+    "The meeting starts at nine in the morning and ends at five in the afternoon.",
+    "She sells sea shells by the sea shore, and the shells she sells are surely sea shells.",
+    "Turn left at the next corner, then turn left again, and then turn right at the bank.",
+    "The weather today is sunny with a light breeze from the west.",
+    "Remember to save your work before you close the program.",
+    "One, two, three, four, five. One, two, three, four, five.",
+    "The train to London leaves from platform four every hour on the hour.",
+    "A small model proposes tokens and the large model checks them in one forward pass.",
+    "Thank you for calling. Thank you for waiting. Thank you for your patience.",
+]
+METHODS = {
+    "plain": {},
+    "lookup": {"lookup": True},
+    "ngram": {"ngram_cache": True},
+    "early-exit": {"early_exit": True},
+    "assistant": {"assistant": "whisper-tiny-en"},  # tiny.en: another tokenizer, universal mode
+    "lookup+assistant": {"lookup": True, "assistant": "whisper-tiny-en"},
+}
+
+
+def synthesize(out_dir: Path) -> list[tuple[str, Path]]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    clips = []
+    for i, text in enumerate(SENTENCES):
+        path = out_dir / f"clip-{i:02d}.wav"
+        if not path.is_file():
+            subprocess.run(["espeak-ng", "-w", str(path), text], check=True, capture_output=True)
+        clips.append((text, path))
+    return clips
+
+
+def normalized(text: str) -> str:
+    return re.sub(r"\s+", " ", re.sub(r"[^a-z0-9' ]", " ", text.lower())).strip()
+
+
+def hf_generate(speech, samples, assistant=None) -> tuple[list[int], float]:
+    """transformers' generate() on the same features (English, transcribe, no timestamps): its tokens and seconds."""
+    kwargs = {"language": "en", "task": "transcribe"}
+    if assistant is not None:
+        kwargs.update(assistant_model=assistant.hf, tokenizer=speech.tokenizer, assistant_tokenizer=assistant.tokenizer)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = speech.hf.generate(speech.features(samples), **kwargs)[0].tolist()
+    return [t for t in out if t < speech.generation.eos_token_id], time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--out-dir", default="build/speech")
+    parser.add_argument("--no-transformers", action="store_true", help="leave transformers' generate() out")
+    args = parser.parse_args()
+    methods = [m.strip() for m in args.methods.split(",")]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+    import jiwer
+
+    speech, tiny = as_speech_model("whisper-base"), as_speech_model("whisper-tiny-en")
+    clips = synthesize(Path(args.out_dir))
+    rows = {m: {"decoder_s": 0.0, "end_to_end_s": 0.0, "hyp": [], "same": 0, "drafted": 0, "accepted": 0}
+            for m in methods}
+    hf_rows = {"transformers plain": {"end_to_end_s": 0.0, "same": 0, "hyp": []},
+               "transformers assistant_model (tiny.en)": {"end_to_end_s": 0.0, "same": 0, "hyp": [], "error": None}}
+    refs = []
+    for text, path in clips:
+        refs.append(normalized(text))
+        samples = read_audio(path)
+        transcribe(speech, samples, language="en")  # warm-up (and one-off calibrations)
+        plain_ids = None
+        for m in methods:
+            best = None
+            for _ in range(args.repeat):
+                start = time.perf_counter()
+                out = transcribe(speech, samples, language="en", **METHODS[m])
+                wall = time.perf_counter() - start
+                run = (out.stats.total_s, wall, out)
+                best = run if best is None or run[0] < best[0] else best
+            decoder_s, wall, out = best
+            ids = [t for w in out.windows for t in w.token_ids]
+            plain_ids = ids if m == "plain" else plain_ids
+            row = rows[m]
+            row["decoder_s"] += decoder_s
+            row["end_to_end_s"] += wall
+            row["hyp"].append(normalized(out.text))
+            row["same"] += int(plain_ids is None or ids == plain_ids)
+            row["drafted"] += out.stats.drafted_tokens
+            row["accepted"] += out.stats.accepted_tokens
+        if args.no_transformers:
+            continue
+        ids, seconds = min((hf_generate(speech, samples) for _ in range(args.repeat)), key=lambda r: r[1])
+        hf_rows["transformers plain"]["end_to_end_s"] += seconds
+        hf_rows["transformers plain"]["hyp"].append(normalized(speech.tokenizer.decode(ids)))
+        hf_rows["transformers plain"]["same"] += int(plain_ids is not None and ids == plain_ids[:-1])
+        row = hf_rows["transformers assistant_model (tiny.en)"]
+        try:
+            ids, seconds = min((hf_generate(speech, samples, tiny) for _ in range(args.repeat)), key=lambda r: r[1])
+            row["end_to_end_s"] += seconds
+            row["hyp"].append(normalized(speech.tokenizer.decode(ids)))
+            row["same"] += int(plain_ids is not None and ids == plain_ids[:-1])
+        except Exception as e:  # noqa: BLE001 - recorded: transformers may not take this assistant
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    n = len(clips)
+    base = rows.get("plain")
+    print(f"{len(clips)} clips, {args.repeat} runs each (best kept); Whisper base, greedy, English")
+    print(f"{'method':<40}{'WER':>7}{'decoder s':>11}{'vs plain':>10}{'end-to-end s':>14}{'vs plain':>10}"
+          f"{'same as plain':>15}{'accepted':>14}")
+    report = {}
+    for m, row in rows.items():
+        wer = jiwer.wer(refs, row["hyp"])
+        dec = base["decoder_s"] / row["decoder_s"] if base else float("nan")
+        e2e = base["end_to_end_s"] / row["end_to_end_s"] if base else float("nan")
+        print(f"{m:<40}{wer:7.3f}{row['decoder_s']:11.3f}{dec:9.2f}x{row['end_to_end_s']:14.3f}{e2e:9.2f}x"
+              f"{row['same']:>10}/{n}{row['accepted']:>8}/{row['drafted']}")
+        report[m] = {"wer": round(wer, 4), "decoder_s": round(row["decoder_s"], 4), "decoder_speedup": round(dec, 3),
+                     "end_to_end_s": round(row["end_to_end_s"], 4), "end_to_end_speedup": round(e2e, 3),
+                     "same_as_plain": row["same"], "drafted": row["drafted"], "accepted": row["accepted"]}
+    for m, row in hf_rows.items():
+        if args.no_transformers:
+            break
+        if row.get("error"):
+            print(f"{m:<40}  not run: {row['error']}")
+            report[m] = {"error": row["error"]}
+            continue
+        wer = jiwer.wer(refs, row["hyp"])
+        e2e = base["end_to_end_s"] / row["end_to_end_s"] if base else float("nan")
+        print(f"{m:<40}{wer:7.3f}{'':>11}{'':>10}{row['end_to_end_s']:14.3f}{e2e:9.2f}x{row['same']:>10}/{n}")
+        report[m] = {"wer": round(wer, 4), "end_to_end_s": round(row["end_to_end_s"], 4),
+                     "end_to_end_speedup": round(e2e, 3), "same_as_plain": row["same"]}
+    print(json.dumps({"benchmark": "speech", "clips": n, "repeat": args.repeat, "methods": report}))
+
+
+if __name__ == "__main__":
+    main()
