@@ -6,12 +6,13 @@ at most 30 s, and for each one runs the encoder once (`SpeechModel.listen`) and 
 early exit (the target's own first decoder layers, on the same encoder output), or an assistant Whisper (its own
 encoder on the same window; another tokenizer switches to universal mode, the assistant starting from its own
 decoder prompt). The decoder prompt is transformers' short-form one (`SpeechModel.decoder_prompt`: the `prompt`
-text as earlier context, the language, the task, no timestamps); a multilingual model given no language detects
-it from the first window as `generate()` does (the most likely language token after <|startoftranscript|>). Each
-later window gets the text of the one before as its earlier context. Greedy output per window is the target's own
-(what `generate()` gives on the same features and decoder prompt); sampling follows its distribution. Names of
-speech models are resolved once per process (`as_speech_model`). Bad input raises `ConfigError` or `AudioError`
-naming the fix.
+text as earlier context, its last tokens only, half the decoder's context less one, as Whisper keeps them; the
+language, the task, no timestamps); a multilingual model given no language detects it from the first window as
+`generate()` does (the most likely language token after <|startoftranscript|>). Each later window gets the text of
+the one before as its earlier context. Greedy output per window is the target's own (what `generate()` gives on
+the same features and decoder prompt); sampling follows its distribution; `logprobs=True` keeps each generated
+token's log-probability (the target's). Names of speech models are resolved once per process (`as_speech_model`).
+Bad input raises `ConfigError` or `AudioError` naming the fix.
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ class Window:
     token_ids: list[int]
     text: str
     stats: Stats
+    logprobs: list[float] | None = None  # each generated token's log-probability under the target (when asked for)
+
+    @property
+    def avg_logprob(self) -> float | None:
+        """The mean log-probability of the generated tokens, the end token included (Whisper's avg_logprob)."""
+        return sum(self.logprobs) / len(self.logprobs) if self.logprobs else None
 
 
 @dataclass
@@ -146,7 +153,8 @@ def assistant_drafter(target: HeardModel, assistant: SpeechModel, window: np.nda
     mode from its own decoder prompt."""
     own_language = language if assistant.multilingual else None
     prompt = assistant.decoder_prompt(own_language)
-    heard = assistant.listen(assistant.features(window), begin=len(prompt), draft_vocabulary=DRAFT_VOCABULARY)
+    heard = assistant.listen(assistant.features(window), begin=len(prompt), draft_vocabulary=DRAFT_VOCABULARY,
+                             lazy=True)  # its encoder runs only if the policy lets it draft
     if assistant.tokenizer.get_vocab() == target.tokenizer.get_vocab():
         return AssistantDrafter(heard, target)
     return UniversalDrafter(heard, target, prefix=prompt)
@@ -155,8 +163,9 @@ def assistant_drafter(target: HeardModel, assistant: SpeechModel, window: np.nda
 def transcribe(model, audio, assistant=None, language: str | None = None, prompt: str | None = None,
                task: str = "transcribe", lookup: bool = False, early_exit: bool | int = False, ngram_cache=False,
                schedule=None, temperature: float = 0.0, seed: int | None = None, max_new_tokens: int | None = None,
-               max_seconds: float | None = None) -> Transcription:
-    """Transcribe `audio` (a path, bytes, a binary file, or 16 kHz mono samples) with `model` (see the contract)."""
+               max_seconds: float | None = None, logprobs: bool = False) -> Transcription:
+    """Transcribe `audio` (a path, bytes, a binary file, or 16 kHz mono samples) with `model` (see the contract);
+    `logprobs`: keep each window's token log-probabilities (`Window.logprobs`)."""
     samples = read_audio(audio, max_seconds, name=str(audio) if isinstance(audio, (str, os.PathLike)) else "the audio")
     speech = as_speech_model(model)
     helper = None if assistant is None else as_speech_model(assistant)
@@ -169,6 +178,7 @@ def transcribe(model, audio, assistant=None, language: str | None = None, prompt
     language = check_language(speech, language)
     previous = list(speech.tokenizer(" " + prompt.strip(), add_special_tokens=False)["input_ids"]) \
         if prompt and prompt.strip() else None
+    previous = previous[-(speech.context_length // 2 - 1):] if previous else None  # (Whisper keeps the prompt's end)
     out = Transcription("", language, len(samples) / SAMPLE_RATE)
     texts = []
     for start, end in windows(samples):
@@ -186,9 +196,11 @@ def transcribe(model, audio, assistant=None, language: str | None = None, prompt
         exit_n = exit_layers(speech, heard, early_exit) if early_exit else False
         result = generate(heard, ids, assistant=drafter, lookup=lookup, early_exit=exit_n, ngram_cache=ngram_cache,
                           schedule=schedule, max_new_tokens=max_new_tokens or room, temperature=temperature,
-                          seed=seed)
+                          seed=seed, logprobs=0 if logprobs else None)
         text = speech.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-        out.windows.append(Window(start / SAMPLE_RATE, end / SAMPLE_RATE, ids, result.token_ids, text, result.stats))
+        kept = [lp.logprob for lp in result.logprobs] if logprobs else None
+        out.windows.append(Window(start / SAMPLE_RATE, end / SAMPLE_RATE, ids, result.token_ids, text, result.stats,
+                                  kept))
         texts.append(text.strip())
         spoken = [t for t in result.token_ids if t < min(heard.eos_token_ids)]  # text tokens only
         previous = spoken[-(heard.context_length // 2 - 1):] or previous  # the next window's earlier context

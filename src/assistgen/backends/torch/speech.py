@@ -46,6 +46,7 @@ class SpeechModel:
     name: str
     cache_key: str | None = None
     costs: Any = None  # the policy's measurements of its decoder (one curve for every input)
+    draft_heads: dict = field(default_factory=dict, repr=False)  # drafters' head rows (`draft_head`)
     backend = "torch"
 
     @property
@@ -105,16 +106,42 @@ class SpeechModel:
             small_rows_linear(self.hf, mode="on" if mode == "on" else "auto", routes="mkl")
         self.costs = None
 
-    def listen(self, features: torch.Tensor, begin: int, draft_vocabulary: int | None = None) -> HeardModel:
-        """The decoder conditioned on `features` (the encoder runs here, once); `begin`: the decoder prompt's
+    def listen(self, features: torch.Tensor, begin: int, draft_vocabulary: int | None = None,
+               lazy: bool = False) -> HeardModel:
+        """The decoder conditioned on `features` (the encoder runs once: here, or with `lazy` on the first pass that
+        needs it, so that an assistant the policy never switches on costs nothing); `begin`: the decoder prompt's
         length (where `begin_suppress_tokens` apply); `draft_vocabulary`: for a drafter, see `HeardModel`."""
-        with torch.inference_mode():
-            encoded = self.hf.model.encoder(features).last_hidden_state  # [1, frames, d]
-            cross = []
-            for layer in self.hf.model.decoder.layers:
-                attn = layer.encoder_attn
-                cross.append((heads(attn.k_proj(encoded), attn.num_heads), heads(attn.v_proj(encoded), attn.num_heads)))
-        return HeardModel(self, cross, begin, draft_vocabulary=draft_vocabulary)
+        encoded = Encoded(self, features)
+        if not lazy:
+            encoded.layers()
+        return HeardModel(self, encoded, begin, draft_vocabulary=draft_vocabulary)
+
+    def draft_head(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the head's first `rows` rows and the end tokens' rows [rows + ends, d], the end token ids): copied once."""
+        if rows not in self.draft_heads:
+            weight = self.hf.get_output_embeddings().weight  # [vocab, d]
+            ends = torch.tensor(sorted({int(self.generation.eos_token_id)}), device=weight.device)
+            self.draft_heads[rows] = (torch.cat([weight[:rows], weight[ends]]).detach(), ends)
+        return self.draft_heads[rows]
+
+
+class Encoded:
+    """One input's cross-attention keys and values, per decoder layer, computed from the encoder's output once."""
+
+    def __init__(self, speech: SpeechModel, features: torch.Tensor):
+        self.speech, self.features = speech, features
+        self.cross: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """[(keys, values) [1, heads, frames, d_h]] for every decoder layer."""
+        if self.cross is None:
+            hf = self.speech.hf
+            with torch.inference_mode():
+                encoded = hf.model.encoder(self.features).last_hidden_state  # [1, frames, d]
+                self.cross = [(heads(layer.encoder_attn.k_proj(encoded), layer.encoder_attn.num_heads),
+                               heads(layer.encoder_attn.v_proj(encoded), layer.encoder_attn.num_heads))
+                              for layer in hf.model.decoder.layers]
+        return self.cross
 
 
 def heads(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -135,7 +162,7 @@ class HeardModel:
     """Whisper's decoder conditioned on one input: a `LanguageModel` (see the module's contract)."""
 
     speech: SpeechModel
-    cross: list[tuple[torch.Tensor, torch.Tensor]]  # per decoder layer, keys and values [1, heads, frames, d]
+    encoded: Encoded  # the input's cross-attention keys and values
     begin: int  # the index of the first generated token (the decoder prompt's length)
     layers: int | None = None  # run only the first `layers` decoder layers (early exit); None: all
     # A drafter's output head over the first `draft_vocabulary` token ids only (byte-level BPE numbers its tokens in
@@ -149,12 +176,10 @@ class HeardModel:
 
     def __post_init__(self):
         self.masks = suppression(self.speech, self.vocab_size, self.device)
-        weight = self.speech.hf.get_output_embeddings().weight  # [vocab, d]
         if self.draft_vocabulary is None or self.draft_vocabulary >= self.vocab_size:
-            self.head = (weight, None)
+            self.head = (self.speech.hf.get_output_embeddings().weight, None)
         else:
-            extra = torch.tensor(self.eos_token_ids, device=self.device)
-            self.head = (torch.cat([weight[: self.draft_vocabulary], weight[extra]]), extra)
+            self.head = self.speech.draft_head(self.draft_vocabulary)
 
     # --- what the loop reads ------------------------------------------------------------------------------
     @property
@@ -265,8 +290,9 @@ class HeardModel:
         mask = None
         if n > 1:  # the new rows attend causally to each other and to every cached position
             mask = torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)
+        cross = self.encoded.layers()
         for i, layer in enumerate(self.blocks):
-            h = decoder_layer(layer, h, cache, i, start, mask, self.cross[i])
+            h = decoder_layer(layer, h, cache, i, start, mask, cross[i])
         logits = self.project(dec.layer_norm(h[:, -keep:])[0])  # [keep, vocab]
         always, first = self.masks
         logits = logits.masked_fill(always, float("-inf"))
@@ -293,7 +319,7 @@ class HeardModel:
         if not 1 <= n < len(self.decoder.layers):
             raise ValueError(f"{self.name} has {len(self.decoder.layers)} decoder layers; early exit needs 1..."
                              f"{len(self.decoder.layers) - 1}")
-        return HeardModel(self.speech, self.cross[:n], self.begin, layers=n,
+        return HeardModel(self.speech, self.encoded, self.begin, layers=n,
                           draft_vocabulary=self.draft_vocabulary or DRAFT_VOCABULARY)
 
     def exit_agreement(self, ids: list[int], positions: int | None) -> list[float]:
