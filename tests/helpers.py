@@ -291,11 +291,44 @@ def stop(live: Live) -> None:
     assert live.engine.thread is None or not live.engine.thread.is_alive()  # the lifespan shut the engine down
 
 
-def scrape(live: Live) -> dict[str, float]:
-    """The /metrics samples by name (labels appended in brackets)."""
+def scrape(live: Live | str) -> dict[str, float]:
+    """The /metrics samples by name (labels appended in brackets) of a live server or the one at a URL."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{live.url}/metrics", timeout=5).text
+    url = live if isinstance(live, str) else live.url
+    text = httpx.get(f"{url}/metrics", timeout=5).text
     return {s.name + "".join(f"[{v}]" for v in s.labels.values()): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+# --- speech clips (tests/serving/test_transcriptions.py) ---------------------------------------------------------
+
+SENTENCE = "The quick brown fox jumps over the lazy dog. Speculative decoding makes generation faster."
+
+
+def speak(text: str, path) -> str:
+    """`text` spoken by espeak-ng (installed by the Makefile) into the WAV file `path`; returns the path."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if shutil.which("espeak-ng") is None:
+        pytest.fail("espeak-ng is missing: `make install` installs it (apt-get install espeak-ng).")
+    subprocess.run(["espeak-ng", "-w", str(path), text], check=True, capture_output=True)
+    return str(path)
+
+
+def silent_wav(seconds: float, rate: int = 16000) -> bytes:
+    """A mono 16-bit WAV file of silence."""
+    import io
+    import wave
+
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(b"\0\0" * int(rate * seconds))
+    return out.getvalue()

@@ -16,6 +16,7 @@ from assistgen.api import stream, use_chat_template
 from assistgen.backends.embedded import EMBEDDED, ModelLoadError, is_installed
 from assistgen.backends.torch.loading import converted_dir, is_cached
 from assistgen.bench.dataset import DatasetError
+from assistgen.cli import serve_speech
 from assistgen.cli.options import (
     add_placement,
     add_quantize,
@@ -98,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_transcribe(sub.add_parser("transcribe", help="speech to text with a Whisper target, assisted like generate"))
 
-    add_serve(sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)"))
+    add_serve(sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions; "
+                                           "/v1/audio/transcriptions with --speech-model)"))
     return parser
 
 
@@ -114,7 +116,8 @@ def add_serve(p: argparse.ArgumentParser) -> None:
     drafter.add_argument("--assistant", "-a", help="assistant model (any tokenizer), shared by all requests")
     drafter.add_argument("--early-exit", nargs="?", const=True, type=int, metavar="LAYERS",
                          help="self-drafting with the target's first LAYERS layers")
-    p.add_argument("--schedule", type=schedule_argument, help="as for generate (default: cost-aware adaptive)")
+    p.add_argument("--schedule", type=schedule_argument,
+                   help="as for generate, for the text and the speech model (default: cost-aware adaptive)")
     p.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template to use instead of the model's own (e.g. one that renders tools)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -140,6 +143,7 @@ def add_serve(p: argparse.ArgumentParser) -> None:
     ray.add_argument("--cpus-per-replica", type=float, help="CPUs Ray reserves for each replica (default 1)")
     ray.add_argument("--no-route-by-key", dest="route_by_key", action="store_false",
                      help="send every request to the least loaded replica, keys or not")
+    serve_speech.add_arguments(p)
     add_quantize(p)
     add_placement(p)
 
@@ -233,6 +237,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from assistgen.serving.batching import BatchEngine, EngineSettings
     from assistgen.serving.server import ServerSettings, serve
 
+    serve_speech.check(args)
     if args.replicas is not None or args.ray_address:
         return serve_on_ray(args)
     alone = [f"--{n.replace('_', '-')}" for n in ("max_replicas", "target_ongoing_requests", "cpus_per_replica")
@@ -240,6 +245,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if alone:
         raise ConfigError(f"{', '.join(alone)} set(s) how Ray Serve runs replicas: add --replicas N.")
     template = chat_template_text(args)
+    settings = ServerSettings(model_name=args.model, ngram_cache=args.ngram_cache, suffix=args.suffix,
+                              share_prefix_cache=args.share_prefix_cache, **serve_speech.limits(args))
     target, assistant = load_target_and_assistant(args, serving_loading(args), calibration="later")
     if template is not None:
         use_chat_template(target, template)
@@ -247,9 +254,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     drafters()  # bad drafter options fail here, before the server starts
     schedule = as_schedule(args.schedule) if args.schedule is not None else default_schedule()
     engine = BatchEngine(target, drafters, schedule, EngineSettings(**engine_options(args)))
-    settings = ServerSettings(model_name=args.model, ngram_cache=args.ngram_cache, suffix=args.suffix,
-                              share_prefix_cache=args.share_prefix_cache)
-    return serve(engine, settings, args.host, args.port, drafters)
+    return serve(engine, settings, args.host, args.port, drafters, serve_speech.speech_service(args))
 
 
 def chat_template_text(args: argparse.Namespace) -> str | None:

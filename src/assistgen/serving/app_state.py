@@ -1,5 +1,6 @@
 """What the server's handlers share: its settings (`ServerSettings`) and the app's state (`AppState`: the engine,
-its model's context, the metrics, whether it is closing), found from a request by `state_of`."""
+its model's context, the metrics, the speech model it transcribes with, whether it is closing), found from a request
+by `state_of`."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from dataclasses import dataclass
 
 from fastapi import Request as HTTPRequest
 
+from assistgen.config import ConfigError
 from assistgen.serving.batching import BatchEngine
 from assistgen.serving.metrics import Metrics
+from assistgen.serving.speech_service import SpeechService
 from assistgen.spec.drafts import Drafter
 
 
@@ -21,6 +24,14 @@ class ServerSettings:
     share_prefix_cache: bool = False  # kept prefixes serve every request, whatever its key (default: its key's only)
     max_tokens_limit: int | None = None  # the most new tokens a request may ask for (None: no limit)
     shutdown_timeout: float = 30.0  # seconds running requests get to finish on shutdown
+    max_upload_bytes: int = 25 * 2**20  # the largest audio file a transcription request may upload (OpenAI's)
+    max_audio_seconds: float = 600.0  # the longest audio a transcription request may send
+
+    def __post_init__(self):
+        if not self.max_upload_bytes > 0:
+            raise ConfigError(f"max_upload_bytes must be above 0, got {self.max_upload_bytes}.")
+        if not self.max_audio_seconds > 0:
+            raise ConfigError(f"max_audio_seconds must be above 0, got {self.max_audio_seconds}.")
 
 
 @dataclass
@@ -32,6 +43,7 @@ class AppState:
     make_drafter: Callable[..., Drafter] | None
     context: int  # the longest sequence the engine's target (and drafter) can take
     metrics: Metrics
+    speech: SpeechService | None = None  # the speech model /v1/audio/transcriptions uses (None: none served)
     closing: bool = False
 
 

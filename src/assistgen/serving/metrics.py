@@ -14,6 +14,9 @@ server as chunks arrive (`step`) and requests end (`finished`). `spec_decode_met
   draft_acceptance_rate     = stats.acceptance_rate (accepted / drafted)
   exact                     = stats.exact (False: the model's passes are not row-exact, output may drift)
 `assistgen:exact` is 1 when the engine's target is exact (`Capabilities.exact`), 0 on a stock llama.cpp build.
+`Metrics.transcriptions` (`TranscriptionMetrics`) counts /v1/audio/transcriptions: its answers by HTTP status, and
+for the transcribed ones the audio's seconds, the tokens generated, and the speculation figures under their own
+names (`assistgen:transcription_spec_decode_*`: a speech model's acceptance is not the text model's).
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ class Metrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time to the first token.", latency)
         self.itl = histogram("inter_token_latency_seconds", "Time between tokens.", latency)
         self.e2e = histogram("e2e_request_latency_seconds", "Time from request to its last token.", latency)
+        self.transcriptions = TranscriptionMetrics(counter, histogram, latency)
 
     def step(self, job, chunk: Chunk, at: float) -> None:
         if not chunk.tokens:
@@ -111,6 +115,35 @@ class Metrics:
             accepted = sum(histogram[i + 1:])  # steps that accepted more than i draft tokens
             if accepted:
                 self.accepted_per_pos.labels(position=str(i)).inc(accepted)
+
+
+class TranscriptionMetrics:
+    """/v1/audio/transcriptions: requests answered by status, what the transcribed ones heard, generated and drafted."""
+
+    def __init__(self, counter, histogram, latency: tuple[float, ...]):
+        self.requests = counter("transcription_requests", "Transcription requests answered, by HTTP status.",
+                                ["status"])
+        self.audio_seconds = counter("transcription_audio_seconds", "Seconds of audio transcribed.")
+        self.tokens = counter("transcription_generation_tokens", "Tokens the speech model generated.")
+        self.drafts = counter("transcription_spec_decode_num_drafts",
+                              "Transcription verification steps that checked draft tokens.")
+        self.draft_tokens = counter("transcription_spec_decode_num_draft_tokens",
+                                    "Draft tokens proposed and checked in transcriptions.")
+        self.accepted = counter("transcription_spec_decode_num_accepted_tokens",
+                                "Draft tokens accepted in transcriptions.")
+        self.latency = histogram("transcription_seconds", "Time to transcribe a request's audio (queue included).",
+                                 latency)
+
+    def answered(self, status: int) -> None:
+        self.requests.labels(status=str(status)).inc()
+
+    def transcribed(self, stats: Stats, audio_seconds: float, seconds: float) -> None:
+        self.audio_seconds.inc(audio_seconds)
+        self.tokens.inc(stats.new_tokens)
+        self.drafts.inc(stats.draft_steps)
+        self.draft_tokens.inc(stats.drafted_tokens)
+        self.accepted.inc(stats.accepted_tokens)
+        self.latency.observe(seconds)
 
 
 def spec_decode_metrics(stats: Stats | None) -> dict:

@@ -3,9 +3,11 @@
 Contract: `create_app(engine, settings, make_drafter)` builds a FastAPI app (no model loading: tests pass
 a loaded model's engine) serving `POST /v1/completions`, `POST /v1/chat/completions` (both with
 `stream: true` as server-sent events), `POST /v1/responses` (the Responses API, `responses.py`; tool calls on
-chat and responses: `core.tools`), `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` and `GET /metrics`
-(Prometheus text from the app's own registry, `metrics.py`). The handlers are module-level functions over the
-app's `AppState` (`app_state.py`: engine, settings, metrics, whether it is closing); a request's way through the
+chat and responses: `core.tools`), `POST /v1/audio/transcriptions` (`transcriptions.py`, with the speech model given
+as `create_app(..., speech=SpeechService(...))`; without one it answers 404 saying how to serve one), `GET
+/v1/models` (the speech model listed too), `GET /v1/models/{id}`, `GET /health` and `GET /metrics` (Prometheus text
+from the app's own registry, `metrics.py`). The handlers are module-level functions over the app's `AppState`
+(`app_state.py`: engine, settings, metrics, the speech model, whether it is closing); a request's way through the
 engine is `jobs.py`, the answers' OpenAI shapes `replies.py`. Every request is
 checked in full before it reaches the engine (`protocol.py`): each field OpenAI's API defines is honoured or,
 where this server does not do it, refused unless left at its "off" value; a prompt plus the new tokens asked
@@ -65,6 +67,8 @@ from assistgen.serving.protocol import (
 )
 from assistgen.serving.replies import finished, respond
 from assistgen.serving.responses import RESPONSES_REFUSED, Reply, ResponsesRequest
+from assistgen.serving.speech_service import SpeechService
+from assistgen.serving.transcriptions import openapi_form, transcriptions
 from assistgen.spec.drafts import Drafter
 
 # --- the endpoints ------------------------------------------------------------------------------------------
@@ -162,12 +166,21 @@ def model_card(state: AppState) -> dict:
             "max_model_len": state.context}
 
 
+def speech_card(speech: SpeechService) -> dict:
+    return {"id": speech.name, "object": "model", "created": 0, "owned_by": "assistgen",
+            "max_model_len": speech.model.context_length}
+
+
 async def models(http: HTTPRequest):
-    return {"object": "list", "data": [model_card(state_of(http))]}
+    state = state_of(http)
+    speech = [speech_card(state.speech)] if state.speech is not None else []
+    return {"object": "list", "data": [model_card(state), *speech]}
 
 
 async def model(model_id: str, http: HTTPRequest):
     state = state_of(http)
+    if state.speech is not None and model_id == state.speech.name:
+        return speech_card(state.speech)
     check_model(state, model_id)
     return model_card(state)
 
@@ -179,6 +192,8 @@ async def health(http: HTTPRequest):
             "costs": costs_state(state.engine.target)}
     if not capabilities.exact:
         body["inexact_reason"] = capabilities.inexact_reason
+    if state.speech is not None:
+        body["speech_model"] = state.speech.name
     return body
 
 
@@ -189,9 +204,9 @@ async def prometheus(http: HTTPRequest):
 # --- the app ------------------------------------------------------------------------------------------------
 
 
-def create_app(engine: BatchEngine, settings: ServerSettings,
-               make_drafter: Callable[..., Drafter] | None = None) -> FastAPI:
-    """The app serving `engine`'s model as `settings.model_name`.
+def create_app(engine: BatchEngine, settings: ServerSettings, make_drafter: Callable[..., Drafter] | None = None,
+               speech: SpeechService | None = None) -> FastAPI:
+    """The app serving `engine`'s model as `settings.model_name`, and `speech` (if given) for transcriptions.
 
     `make_drafter(ngram_cache=...)` gives a fresh drafter drawing on that n-gram cache; it is needed only
     with `settings.ngram_cache` (without it every request gets the engine's own drafter).
@@ -200,7 +215,7 @@ def create_app(engine: BatchEngine, settings: ServerSettings,
         raise ConfigError("ngram_cache and suffix need make_drafter(ngram_cache=..., suffix=...) to give each API key "
                           "its own.")
     state = AppState(engine, settings, make_drafter, context_limit(engine.target, engine.make_drafter()),
-                     Metrics(engine))
+                     Metrics(engine), speech)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -210,12 +225,15 @@ def create_app(engine: BatchEngine, settings: ServerSettings,
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, partial(engine.shutdown, cancel=False, timeout=settings.shutdown_timeout))
         await loop.run_in_executor(None, partial(engine.shutdown, cancel=True, timeout=5.0))
+        if speech is not None:
+            await loop.run_in_executor(None, speech.close)
 
     app = FastAPI(title="assistgen", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
     app.post("/v1/completions")(completions)
     app.post("/v1/chat/completions")(chat_completions)
     app.post("/v1/responses")(responses)
+    app.post("/v1/audio/transcriptions", openapi_extra=openapi_form(speech))(transcriptions)
     app.get("/v1/models")(models)
     app.get("/v1/models/{model_id:path}")(model)
     app.get("/health")(health)
@@ -230,13 +248,15 @@ def create_app(engine: BatchEngine, settings: ServerSettings,
 
 
 def serve(engine: BatchEngine, settings: ServerSettings, host: str, port: int,
-          make_drafter: Callable[..., Drafter] | None = None) -> int:
-    """Serve `engine` on host:port until SIGINT/SIGTERM; 0 after a clean shutdown (`run_until_signal`)."""
+          make_drafter: Callable[..., Drafter] | None = None, speech: SpeechService | None = None) -> int:
+    """Serve `engine` (and `speech`) on host:port until SIGINT/SIGTERM; 0 after a clean shutdown
+    (`run_until_signal`)."""
     import uvicorn
 
-    app = create_app(engine, settings, make_drafter)
+    app = create_app(engine, settings, make_drafter, speech)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-    return run_until_signal(server, engine, f"http://{host}:{port}/v1", settings.model_name)
+    names = settings.model_name if speech is None else f"{settings.model_name} and {speech.name}"
+    return run_until_signal(server, engine, f"http://{host}:{port}/v1", names)
 
 
 def run_until_signal(server, engine: BatchEngine, url: str, name: str) -> int:

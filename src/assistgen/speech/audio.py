@@ -3,7 +3,8 @@
 Contract: `read_audio(source, max_seconds)` takes a path, bytes, a binary file object or an array of 16 kHz mono
 samples, and returns float32 samples in [-1, 1] at 16 kHz, mono. Anything it cannot use raises `AudioError`
 naming the problem and the fix: an empty file, data that is not audio in a format FFmpeg reads, a file without
-an audio stream, no samples, or audio longer than `max_seconds`.
+an audio stream, no samples, or audio longer than `max_seconds` (decoding stops once past it, so a long recording
+costs no more than the limit).
 """
 
 from __future__ import annotations
@@ -26,17 +27,21 @@ def read_audio(source, max_seconds: float | None = None, name: str = "the audio"
     if isinstance(source, np.ndarray):
         samples = np.asarray(source, dtype=np.float32).reshape(-1)
     else:
-        samples = decode(source, name)
+        samples = decode(source, name, max_seconds)
     if samples.size == 0:
         raise AudioError(f"{name} holds no samples: send a recording with sound in it.")
     seconds = samples.size / SAMPLE_RATE
     if max_seconds is not None and seconds > max_seconds:
-        raise AudioError(f"{name} lasts {seconds:.1f} s, over the limit of {max_seconds:g} s: send a shorter "
-                         "recording, or split it.")
+        raise too_long(name, f"{seconds:.1f}", max_seconds)
     return samples
 
 
-def decode(source, name: str) -> np.ndarray:
+def too_long(name: str, lasts: str, max_seconds: float) -> AudioError:
+    return AudioError(f"{name} lasts {lasts} s, over the limit of {max_seconds:g} s: send a shorter recording, or "
+                      "split it.")
+
+
+def decode(source, name: str, max_seconds: float | None = None) -> np.ndarray:
     import av
 
     if isinstance(source, (str, Path)):
@@ -58,9 +63,15 @@ def decode(source, name: str) -> np.ndarray:
             if not container.streams.audio:
                 raise AudioError(f"{name} has no audio stream: send an audio file ({FORMATS}).")
             resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
-            chunks = []
+            chunks, total = [], 0
             for frame in container.decode(audio=0):
-                chunks.extend(f.to_ndarray().reshape(-1) for f in resampler.resample(frame))
+                new = [f.to_ndarray().reshape(-1) for f in resampler.resample(frame)]
+                chunks += new
+                total += sum(c.size for c in new)
+                if max_seconds is not None and total > max_seconds * SAMPLE_RATE:
+                    stated = container.duration / av.time_base if container.duration else 0.0  # (the header's)
+                    lasts = f"{stated:.1f}" if stated > max_seconds else f"more than {total / SAMPLE_RATE:.1f}"
+                    raise too_long(name, lasts, max_seconds)
             chunks.extend(f.to_ndarray().reshape(-1) for f in resampler.resample(None))
     except av.error.FFmpegError as e:
         reason = getattr(e, "strerror", None) or str(e)

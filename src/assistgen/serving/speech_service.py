@@ -1,0 +1,83 @@
+"""The speech model a server transcribes with (`SpeechService`): the name clients give, the drafters every
+transcription uses, and the one thread transcriptions run on, one at a time, off the event loop.
+
+Contract: `SpeechService(name, model, assistant=, lookup=, early_exit=, schedule=)` answers to its name and to
+OpenAI's default "whisper-1" (`answers_to`). `checked_language(code)` is the ISO-639-1 code the model decodes in
+(None: detected, or an English-only model) or a `ConfigError` naming the fix; `language_name` is a code's English
+name ("english"), as OpenAI's verbose replies give it. `await run(samples, language, prompt, temperature)` queues a
+transcription on the service's own worker thread (in order, one at a time; more than `max_waiting` behind the one
+running raise `Busy`) and returns its `speech.transcribe.Transcription`, with the target's log-probabilities. An
+await left early (a client gone) cancels a transcription not yet started; one already running runs to its end.
+`close()` lets queued transcriptions finish and stops the thread. Nothing here speaks HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from assistgen.config import ConfigError
+from assistgen.spec.steps import Schedule
+from assistgen.speech.transcribe import SpeechModel, Transcription, check_language, transcribe
+
+ALIASES = ("whisper-1",)  # names OpenAI's clients send by default, answered by the served speech model
+
+
+class Busy(Exception):
+    """More transcriptions wait than the service queues."""
+
+
+@dataclass(eq=False)
+class SpeechService:
+    name: str  # what clients give as "model" (besides ALIASES)
+    model: SpeechModel
+    assistant: SpeechModel | None = None  # an assistant Whisper (another tokenizer: universal mode)
+    lookup: bool = False  # prompt lookup over the transcript so far
+    early_exit: bool | int = False  # the target's first decoder layers draft (True: calibrated)
+    schedule: Schedule | None = None  # None: transcribe's default (cost-aware adaptive)
+    max_waiting: int = 8  # transcriptions queued behind the running one; more are refused (`Busy`)
+    pending: int = field(default=0, init=False)  # queued or running (read and written on the event loop only)
+    worker: ThreadPoolExecutor = field(init=False)
+
+    def __post_init__(self):
+        if self.assistant is not None and self.early_exit:
+            raise ConfigError("Choose either a speech assistant or speech early exit, not both.")
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="transcribe")
+
+    def answers_to(self, name: str) -> bool:
+        return name == self.name or name in ALIASES
+
+    def checked_language(self, language: str | None) -> str | None:
+        return check_language(self.model, language)
+
+    def language_name(self, code: str | None) -> str:
+        """The English name of the language decoded in (an English-only model's: "english")."""
+        return "english" if code is None else self.model.language_names.get(code, code)
+
+    @property
+    def end_token(self) -> int:
+        """The end-of-transcript id; every id from it on is special (languages, tasks, timestamps)."""
+        return int(self.model.generation.eos_token_id)
+
+    async def run(self, samples: np.ndarray, language: str | None, prompt: str | None,
+                  temperature: float) -> Transcription:
+        if self.pending > self.max_waiting:
+            raise Busy(f"{self.pending} transcriptions are queued or running on this server: try again shortly.")
+        self.pending += 1
+        try:
+            future = self.worker.submit(self.transcribe, samples, language, prompt, temperature)
+            return await asyncio.wrap_future(future)
+        finally:
+            self.pending -= 1
+
+    def transcribe(self, samples: np.ndarray, language: str | None, prompt: str | None,
+                   temperature: float) -> Transcription:
+        return transcribe(self.model, samples, assistant=self.assistant, language=language, prompt=prompt,
+                          lookup=self.lookup, early_exit=self.early_exit, schedule=self.schedule,
+                          temperature=temperature, logprobs=True)
+
+    def close(self) -> None:
+        self.worker.shutdown(wait=True)

@@ -1,0 +1,276 @@
+"""POST /v1/audio/transcriptions: OpenAI's transcription endpoint over the served speech model (`SpeechService`).
+
+Contract: the request is a multipart form as OpenAI defines it: `file` (the audio, required), `model` (required: the
+served speech model's name, or "whisper-1"), `language` (ISO-639-1), `prompt`, `response_format` (json, text or
+verbose_json) and `temperature` (0..1; 0 is greedy). The fields OpenAI defines that this server does not do
+(`timestamp_granularities[]`, `include[]`, `chunking_strategy`, the diarization speakers, `stream` unless false) and
+any other field are a 400 naming them: a field accepted and ignored would be a silent wrong answer. A body or file
+over `ServerSettings.max_upload_bytes` is a 413 naming the limit; an empty file, one that is not audio, and audio
+over `max_audio_seconds` are 400s with `speech.audio`'s message; a server without a speech model answers 404 saying
+how to start one. Everything is checked before the transcription queues, and the audio is decoded on a worker
+thread, never on the event loop. Replies: json `{"text", "usage", "assistgen"}`; text: the transcript as text/plain;
+verbose_json: OpenAI's `{"task", "language" (its English name), "duration", "text", "segments"}`, one segment per
+30 s window (`avg_logprob` from the target's log-probabilities, `compression_ratio` as Whisper computes it,
+`no_speech_prob` null: not computed), with `usage` and `assistgen`: the speculation statistics (`statistics`, the
+names `assistgen transcribe --json` prints). Every answer is counted by status in the metrics, and each
+transcription's figures (`metrics.TranscriptionMetrics`); `openapi_form` is the form in the app's OpenAPI schema.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import zlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.datastructures import FormData, UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import ClientDisconnect
+
+from assistgen.config import ConfigError
+from assistgen.serving.app_state import AppState, state_of
+from assistgen.serving.protocol import APIError
+from assistgen.serving.speech_service import ALIASES, Busy, SpeechService
+from assistgen.speech.audio import FORMATS as AUDIO_FORMATS
+from assistgen.speech.audio import AudioError, read_audio
+from assistgen.speech.transcribe import Transcription
+from assistgen.stats import Stats
+
+TAKEN = ("file", "model", "language", "prompt", "response_format", "temperature")
+FORMATS = ("json", "text", "verbose_json")
+NO_TIMESTAMPS = "this server produces no timestamps (its segments are the 30 s windows): leave it out."
+NO_SPEAKERS = "speakers are not told apart (no diarization): leave it out."
+# Fields OpenAI defines that this endpoint does not do: refused, with why (`stream` is taken as "false").
+REFUSED = {
+    "timestamp_granularities[]": NO_TIMESTAMPS, "timestamp_granularities": NO_TIMESTAMPS,
+    "include[]": "token log-probabilities are not returned: leave it out.",
+    "include": "token log-probabilities are not returned: leave it out.",
+    "chunking_strategy": "the audio is cut into 30 s windows, not at pauses: leave it out.",
+    "known_speaker_names[]": NO_SPEAKERS, "known_speaker_references[]": NO_SPEAKERS,
+    "stream": "streamed transcriptions are not supported: leave it out, or give false.",
+}
+FORM_ROOM = 2**20  # what the form may hold besides the file: the other fields and the multipart framing
+FIELD_BYTES = 256 * 2**10  # the largest field besides the file (a long prompt)
+FRAMES_PER_SECOND = 100  # Whisper's mel frames (a segment's `seek` counts them)
+
+
+def openapi_form(speech: SpeechService | None) -> dict:
+    """The endpoint's request body for the app's OpenAPI schema (`model`: the served names, when there is one)."""
+    model = {"type": "string"} if speech is None else {"type": "string", "enum": [speech.name, *ALIASES]}
+    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+        "type": "object", "required": ["file", "model"], "properties": {
+            "file": {"type": "string", "format": "binary"}, "model": model, "language": {"type": "string"},
+            "prompt": {"type": "string"}, "response_format": {"type": "string", "enum": list(FORMATS)},
+            "temperature": {"type": "number", "minimum": 0, "maximum": 1}}}}}}}
+
+
+@dataclass(frozen=True)
+class Asked:
+    """A checked transcription request."""
+
+    file: UploadFile
+    language: str | None  # the code decoded in (None: detected, or an English-only model)
+    prompt: str | None
+    response_format: str
+    temperature: float
+
+
+async def transcriptions(http: HTTPRequest) -> Response:
+    """The endpoint: every answer, refusals included, counted by status."""
+    state = state_of(http)
+    try:
+        reply = await transcription(state, http)
+    except APIError as e:
+        state.metrics.transcriptions.answered(e.status)
+        raise
+    except Exception:
+        state.metrics.transcriptions.answered(500)
+        raise
+    state.metrics.transcriptions.answered(reply.status_code)
+    return reply
+
+
+async def transcription(state: AppState, http: HTTPRequest) -> Response:
+    service = served(state)
+    if state.closing:
+        raise APIError(503, "The server is shutting down.", "service_unavailable")
+    settings = state.settings
+    form = await read_form(http, settings.max_upload_bytes)
+    try:
+        asked = checked(form, service, settings.model_name)
+        data = await file_bytes(asked.file, settings.max_upload_bytes)
+    finally:
+        await form.close()
+    name = f"file ({asked.file.filename})" if asked.file.filename else "file"
+    try:
+        samples = await asyncio.to_thread(read_audio, data, settings.max_audio_seconds, name)
+    except AudioError as e:
+        raise APIError(400, str(e), param="file") from e
+    except Exception as e:  # (a decoder's own error on odd data: still the upload's problem, not the server's)
+        raise APIError(400, f"{name} cannot be decoded ({type(e).__name__}: {e}): send an audio file "
+                       f"({AUDIO_FORMATS}).", param="file") from e
+    started = time.perf_counter()
+    try:
+        result = await service.run(samples, asked.language, asked.prompt, asked.temperature)
+    except Busy as e:
+        raise APIError(429, str(e), "rate_limit_error") from e
+    except ConfigError as e:
+        raise APIError(400, str(e)) from e
+    state.metrics.transcriptions.transcribed(result.stats, result.duration_s, time.perf_counter() - started)
+    return reply(result, asked, service)
+
+
+def served(state: AppState) -> SpeechService:
+    if state.speech is None:
+        raise APIError(404, "This server serves no speech model: start it with `assistgen serve --speech-model "
+                       "whisper-base` (and e.g. `--speech-assistant whisper-tiny-en` to draft) to transcribe.",
+                       "not_found_error", "model", "model_not_found")
+    return state.speech
+
+
+# --- the form -----------------------------------------------------------------------------------------------
+
+
+async def read_form(http: HTTPRequest, limit: int) -> FormData:
+    """The multipart form, read through `capped` (a body over the limit is a 413 before it is all read)."""
+    kind = http.headers.get("content-type", "")
+    if kind.split(";")[0].strip().lower() != "multipart/form-data":
+        raise APIError(400, "Send the audio as multipart/form-data, with a `file` part and a `model` field (as "
+                       f"OpenAI's clients do), not {kind or 'a body without a content type'}.", param="file")
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit + FORM_ROOM:
+        raise too_large(int(declared), limit, "the request")
+    parser = MultiPartParser(http.headers, capped(http.stream(), limit + FORM_ROOM, limit), max_files=1,
+                             max_fields=len(TAKEN) + len(REFUSED), max_part_size=FIELD_BYTES)
+    try:
+        return await parser.parse()
+    except MultiPartException as e:
+        raise APIError(400, f"The multipart form cannot be read: {e.message}") from e
+    except ClientDisconnect as e:  # (nobody reads this answer: it keeps a client gone out of the 5xx count)
+        raise APIError(400, "The upload ended before its form was complete.") from e
+
+
+async def capped(stream: AsyncIterator[bytes], most: int, limit: int) -> AsyncIterator[bytes]:
+    """The body's chunks; past `most` bytes, a 413 naming the file's `limit`."""
+    seen = 0
+    async for chunk in stream:
+        seen += len(chunk)
+        if seen > most:
+            raise too_large(seen, limit, "the request", at_least=True)
+        yield chunk
+
+
+def too_large(size: int, limit: int, what: str, at_least: bool = False) -> APIError:
+    return APIError(413, f"{what} is {'more than ' if at_least else ''}{size:,} bytes; this server takes audio files "
+                    f"of at most {limit:,} bytes ({limit / 2**20:.3g} MiB): send a shorter or more compressed "
+                    "recording, or split it.", param="file")
+
+
+def checked(form: FormData, service: SpeechService, text_model: str) -> Asked:
+    """The request's fields, each checked (see the module's contract); the first problem is a 4xx naming it."""
+    refuse_fields(form)
+    model = text_field(form, "model")
+    if model is None:
+        raise APIError(400, f"model: give the speech model's name, {service.name} (or whisper-1).", param="model")
+    if not service.answers_to(model):
+        what = " is this server's text model" if model == text_model else " does not exist"
+        raise APIError(404, f"The model '{model}'{what}: this server transcribes with '{service.name}' (also "
+                       f"called {', '.join(ALIASES)}).", "not_found_error", "model", "model_not_found")
+    response_format = text_field(form, "response_format") or "json"
+    if response_format not in FORMATS:
+        raise APIError(400, f"response_format: give json, text or verbose_json, not {response_format!r} (this "
+                       "server produces no timestamps, which srt and vtt need).", param="response_format")
+    try:
+        language = service.checked_language(text_field(form, "language"))
+    except ConfigError as e:
+        raise APIError(400, f"language: {e}", param="language") from e
+    upload = form.get("file")
+    if upload is None:
+        raise APIError(400, "file: upload the audio to transcribe in a `file` part.", param="file")
+    if not isinstance(upload, UploadFile):
+        raise APIError(400, "file: send the audio as a file part (with a filename), as OpenAI's clients do, not as "
+                       "a text field.", param="file")
+    return Asked(upload, language, text_field(form, "prompt"), response_format, temperature_of(form))
+
+
+def refuse_fields(form: FormData) -> None:
+    """A 400 naming the first field given twice, refused (REFUSED) or unknown."""
+    names = [name for name, _ in form.multi_items()]
+    for name, value in form.multi_items():
+        if name in TAKEN:
+            if names.count(name) > 1:
+                raise APIError(400, f"{name} is given {names.count(name)} times: give it once.", param=name)
+        elif name == "stream" and isinstance(value, str) and value.strip().lower() == "false":
+            continue
+        elif name in REFUSED:
+            raise APIError(400, f"{name}: {REFUSED[name]}", param=name)
+        else:
+            raise APIError(400, f"{name} is not a field of this endpoint, which takes {', '.join(TAKEN)}.",
+                           param=name)
+
+
+def text_field(form: FormData, name: str) -> str | None:
+    value = form.get(name)
+    if isinstance(value, UploadFile):
+        raise APIError(400, f"{name}: give it as a text field, not a file.", param=name)
+    return value
+
+
+def temperature_of(form: FormData) -> float:
+    text = text_field(form, "temperature")
+    if text is None:
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:
+        raise APIError(400, f"temperature: give a number from 0 (greedy) to 1, not {text!r}.", param="temperature")
+    return value
+
+
+async def file_bytes(upload: UploadFile, limit: int) -> bytes:
+    if upload.size is not None and upload.size > limit:
+        raise too_large(upload.size, limit, "file")
+    return await upload.read()
+
+
+# --- the reply ----------------------------------------------------------------------------------------------
+
+
+def reply(result: Transcription, asked: Asked, service: SpeechService) -> Response:
+    if asked.response_format == "text":
+        return PlainTextResponse(result.text)
+    usage = {"type": "duration", "seconds": round(result.duration_s, 3)}
+    if asked.response_format == "json":
+        return JSONResponse({"text": result.text, "usage": usage, "assistgen": statistics(result.stats)})
+    return JSONResponse({"task": "transcribe", "language": service.language_name(result.language),
+                         "duration": round(result.duration_s, 3), "text": result.text,
+                         "segments": segments(result, asked.temperature, service.end_token), "usage": usage,
+                         "assistgen": statistics(result.stats)})
+
+
+def segments(result: Transcription, temperature: float, end_token: int) -> list[dict]:
+    """One verbose_json segment per window (its tokens: the text's, without the end token)."""
+    return [{"id": i, "seek": round(w.start_s * FRAMES_PER_SECOND), "start": w.start_s, "end": round(w.end_s, 3),
+             "text": w.text, "tokens": [t for t in w.token_ids if t < end_token], "temperature": temperature,
+             "avg_logprob": w.avg_logprob, "compression_ratio": compression_ratio(w.text), "no_speech_prob": None}
+            for i, w in enumerate(result.windows)]
+
+
+def compression_ratio(text: str) -> float:
+    """Whisper's: the text's UTF-8 bytes over their zlib-compressed bytes (high: a repeating, likely looping text)."""
+    data = text.encode("utf-8")
+    return len(data) / len(zlib.compress(data)) if data else 0.0
+
+
+def statistics(stats: Stats) -> dict:
+    """The transcription's speculation figures (all windows together)."""
+    return {"steps": stats.steps, "draft_steps": stats.draft_steps, "drafted": stats.drafted_tokens,
+            "accepted": stats.accepted_tokens, "acceptance_rate": stats.acceptance_rate,
+            "mean_accepted_length": stats.mean_accepted_length, "new_tokens": stats.new_tokens,
+            "decoder_s": round(stats.total_s, 4), "mode": stats.mode, "exact": stats.exact}
