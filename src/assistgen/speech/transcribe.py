@@ -1,18 +1,18 @@
 """Transcription: audio through a Whisper target, decoded by the one generation loop with any drafter.
 
 Contract: `transcribe(model, audio, ...)` reads the audio (`audio.read_audio`), cuts it into consecutive windows of
-at most 30 s, and for each one runs the encoder once (`SpeechModel.listen`) and the generation loop
-(`api.generate`) on the decoder conditioned on it, with the drafters asked for: prompt lookup, the n-gram cache,
-early exit (the target's own first decoder layers, on the same encoder output), or an assistant Whisper (its own
-encoder on the same window; another tokenizer switches to universal mode, the assistant starting from its own
-decoder prompt). The decoder prompt is transformers' short-form one (`SpeechModel.decoder_prompt`: the `prompt`
-text as earlier context, its last tokens only, half the decoder's context less one, as Whisper keeps them; the
-language, the task, no timestamps); a multilingual model given no language detects it from the first window as
-`generate()` does (the most likely language token after <|startoftranscript|>). Each later window gets the text of
-the one before as its earlier context. Greedy output per window is the target's own (what `generate()` gives on
-the same features and decoder prompt); sampling follows its distribution; `logprobs=True` keeps each generated
-token's log-probability (the target's). Names of speech models are resolved once per process (`as_speech_model`).
-Bad input raises `ConfigError` or `AudioError` naming the fix.
+at most 30 s, and for each one runs the encoder once (`SpeechModel.listen`) and the generation loop (`api.generate`)
+on the decoder conditioned on it, with the drafters asked for: prompt lookup, the n-gram cache, early exit (the
+target's own first decoder layers, on the same encoder output), or an assistant Whisper (its own encoder on the same
+window's audio, run at its first draft and only over the audio itself and a second after it; another tokenizer
+switches to universal mode, the assistant starting from its own decoder prompt). The decoder prompt is transformers'
+short-form one (`SpeechModel.decoder_prompt`: the `prompt` text as earlier context, its last tokens only, half the
+decoder's context less one, as Whisper keeps them; the language, the task, no timestamps); a multilingual model
+given no language detects it from the first window as `generate()` does (the most likely language token after
+<|startoftranscript|>). Each later window gets the text of the one before as its earlier context. Greedy output per
+window is the target's own (what `generate()` gives on the same features and decoder prompt); sampling follows its
+distribution; `logprobs=True` keeps each generated token's log-probability (the target's). Names of speech models
+are resolved once per process (`as_speech_model`). Bad input raises `ConfigError` or `AudioError` naming the fix.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ from assistgen.speech.audio import read_audio
 from assistgen.stats import Stats
 
 TASKS = ("transcribe", "translate")
+HOP = 160  # samples per mel frame
+TAIL_FRAMES = 100  # mel frames of the window's padding an assistant's encoder also reads (1 s)
 
 
 @dataclass
@@ -153,8 +155,9 @@ def assistant_drafter(target: HeardModel, assistant: SpeechModel, window: np.nda
     mode from its own decoder prompt."""
     own_language = language if assistant.multilingual else None
     prompt = assistant.decoder_prompt(own_language)
+    frames = -(-len(window) // HOP) + TAIL_FRAMES  # the audio's own frames, and a second of the padding after it
     heard = assistant.listen(assistant.features(window), begin=len(prompt), draft_vocabulary=DRAFT_VOCABULARY,
-                             lazy=True)  # its encoder runs only if the policy lets it draft
+                             lazy=True, frames=frames)  # its encoder runs only if the policy lets it draft
     if assistant.tokenizer.get_vocab() == target.tokenizer.get_vocab():
         return AssistantDrafter(heard, target)
     return UniversalDrafter(heard, target, prefix=prompt)

@@ -107,11 +107,14 @@ class SpeechModel:
         self.costs = None
 
     def listen(self, features: torch.Tensor, begin: int, draft_vocabulary: int | None = None,
-               lazy: bool = False) -> HeardModel:
+               lazy: bool = False, frames: int | None = None) -> HeardModel:
         """The decoder conditioned on `features` (the encoder runs once: here, or with `lazy` on the first pass that
         needs it, so that an assistant the policy never switches on costs nothing); `begin`: the decoder prompt's
-        length (where `begin_suppress_tokens` apply); `draft_vocabulary`: for a drafter, see `HeardModel`."""
-        encoded = Encoded(self, features)
+        length (where `begin_suppress_tokens` apply); `draft_vocabulary`: for a drafter, see `HeardModel`;
+        `frames`: for a drafter, encode only the first `frames` mel frames instead of the whole 30 s (whisper.cpp's
+        reduced audio context: the encoder's cost falls with the audio's length; its drafts may be worse, and the
+        target, which always hears the whole window, still decides)."""
+        encoded = Encoded(self, features, frames)
         if not lazy:
             encoded.layers()
         return HeardModel(self, encoded, begin, draft_vocabulary=draft_vocabulary)
@@ -128,8 +131,8 @@ class SpeechModel:
 class Encoded:
     """One input's cross-attention keys and values, per decoder layer, computed from the encoder's output once."""
 
-    def __init__(self, speech: SpeechModel, features: torch.Tensor):
-        self.speech, self.features = speech, features
+    def __init__(self, speech: SpeechModel, features: torch.Tensor, frames: int | None = None):
+        self.speech, self.features, self.frames = speech, features, frames
         self.cross: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -137,11 +140,25 @@ class Encoded:
         if self.cross is None:
             hf = self.speech.hf
             with torch.inference_mode():
-                encoded = hf.model.encoder(self.features).last_hidden_state  # [1, frames, d]
+                encoded = encode(hf.model.encoder, self.features, self.frames)  # [1, frames / 2, d]
                 self.cross = [(heads(layer.encoder_attn.k_proj(encoded), layer.encoder_attn.num_heads),
                                heads(layer.encoder_attn.v_proj(encoded), layer.encoder_attn.num_heads))
                               for layer in hf.model.decoder.layers]
         return self.cross
+
+
+def encode(encoder, features: torch.Tensor, frames: int | None) -> torch.Tensor:
+    """The encoder's output [1, positions, d] for features [1, mels, 3000]: transformers' own forward over the whole
+    window, or its operations over the first `frames` mel frames only (positions = frames / 2)."""
+    if frames is None or frames >= features.shape[-1]:
+        return encoder(features).last_hidden_state
+    x = features[..., : max(2, frames + frames % 2)]
+    x = F.gelu(encoder.conv2(F.gelu(encoder.conv1(x)))).permute(0, 2, 1)  # [1, positions, d]
+    x = x + encoder.embed_positions.weight[: x.shape[1]]
+    for layer in encoder.layers:
+        out = layer(x, None)
+        x = out[0] if isinstance(out, tuple) else out
+    return encoder.layer_norm(x)
 
 
 def heads(x: torch.Tensor, n: int) -> torch.Tensor:
