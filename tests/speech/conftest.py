@@ -1,22 +1,12 @@
-"""Speech clips synthesized with espeak-ng (installed by the Makefile), and the embedded Whisper models."""
+"""Speech clips synthesized with espeak-ng (installed by the Makefile: `helpers.speak`), and the embedded Whispers."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 import pytest
+from helpers import SENTENCE, speak
 
-SENTENCE = "The quick brown fox jumps over the lazy dog. Speculative decoding makes generation faster."
 # A repeated phrase: prompt lookup and the n-gram cache find their drafts in the transcript itself.
 REPEATED = "Please hold the line. Please hold the line. Please hold the line. Your call is important to us."
-
-
-def speak(text: str, path) -> str:
-    if shutil.which("espeak-ng") is None:
-        pytest.fail("espeak-ng is missing: `make install` installs it (apt-get install espeak-ng).")
-    subprocess.run(["espeak-ng", "-w", str(path), text], check=True, capture_output=True)
-    return str(path)
 
 
 @pytest.fixture(scope="session")
