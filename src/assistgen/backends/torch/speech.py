@@ -13,12 +13,12 @@ the model's `suppress_tokens` are -inf on every row, and its `begin_suppress_tok
 module's weights, with the same operations in the same order (pre-norm layers, the query scaled before attention),
 and keys and values in preallocated buffers written by position (crop is free, fork copies the self-attention
 buffers). `truncated(n)` runs the first n decoder layers (early exit); measurements (`costs`) belong to the
-`SpeechModel`, shared by every input it hears.
+`SpeechModel`, shared by every input it hears. The decoder's side (`HeardModel`, its caches and forward pass)
+lives in `heard.py`.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,14 +26,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from assistgen.backends.base import Capabilities, synced
 from assistgen.backends.embedded import ModelLoadError
 from assistgen.backends.torch.devices import model_device
-from assistgen.backends.torch.timing import clock, measurement_key
+from assistgen.backends.torch.heard import DRAFT_VOCABULARY, HeardModel, heads
+
+__all__ = ["DRAFT_VOCABULARY", "SAMPLE_RATE", "WINDOW_S", "Encoded", "HeardModel", "SpeechModel", "load_speech"]
 
 SAMPLE_RATE = 16000
 WINDOW_S = 30  # one encoder window
-DRAFT_VOCABULARY = 16384  # the token ids a drafter's head computes (`HeardModel.draft_vocabulary`)
 
 
 @dataclass(eq=False)
@@ -159,298 +159,6 @@ def encode(encoder, features: torch.Tensor, frames: int | None) -> torch.Tensor:
         out = layer(x, None)
         x = out[0] if isinstance(out, tuple) else out
     return encoder.layer_norm(x)
-
-
-def heads(x: torch.Tensor, n: int) -> torch.Tensor:
-    """[1, t, d] -> [1, n, t, d/n]."""
-    return x.view(1, x.shape[1], n, -1).transpose(1, 2).contiguous()
-
-
-def suppression(speech: SpeechModel, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Boolean [vocab] masks of the tokens suppressed everywhere and at the first generated position."""
-    always, first = torch.zeros(vocab, dtype=torch.bool), torch.zeros(vocab, dtype=torch.bool)
-    always[[t for t in (speech.generation.suppress_tokens or []) if t < vocab]] = True
-    first[[t for t in (speech.generation.begin_suppress_tokens or []) if t < vocab]] = True
-    return always.to(device), first.to(device)
-
-
-@dataclass(eq=False)
-class HeardModel:
-    """Whisper's decoder conditioned on one input: a `LanguageModel` (see the module's contract)."""
-
-    speech: SpeechModel
-    encoded: Encoded  # the input's cross-attention keys and values
-    begin: int  # the index of the first generated token (the decoder prompt's length)
-    layers: int | None = None  # run only the first `layers` decoder layers (early exit); None: all
-    # A drafter's output head over the first `draft_vocabulary` token ids only (byte-level BPE numbers its tokens in
-    # the order of their merges, so these are the most frequent ones) and the end token; every other logit is -inf.
-    # The head is the larger part of a Whisper decoder pass; a draft of a rarer token is left to the target.
-    draft_vocabulary: int | None = None
-    backend = "torch"
-    max_sequences = None
-    masks: tuple = field(init=False)
-    head: tuple = field(init=False)  # (the head's weight rows computed, their ids beyond the first rows or None)
-
-    def __post_init__(self):
-        self.masks = suppression(self.speech, self.vocab_size, self.device)
-        if self.draft_vocabulary is None or self.draft_vocabulary >= self.vocab_size:
-            self.head = (self.speech.hf.get_output_embeddings().weight, None)
-        else:
-            self.head = self.speech.draft_head(self.draft_vocabulary)
-
-    # --- what the loop reads ------------------------------------------------------------------------------
-    @property
-    def name(self) -> str:
-        return self.speech.name if self.layers is None else f"{self.speech.name}[:{self.layers}]"
-
-    @property
-    def cache_key(self) -> str | None:
-        key = self.speech.cache_key
-        return None if key is None else (key if self.layers is None else f"{key}[:{self.layers}]")
-
-    @property
-    def tokenizer(self):
-        return self.speech.tokenizer
-
-    @property
-    def costs(self):
-        return self.speech.costs if self.layers is None else self._truncated_costs()
-
-    @costs.setter
-    def costs(self, value) -> None:
-        if self.layers is None:
-            self.speech.costs = value
-        else:
-            _TRUNCATED_COSTS[(id(self.speech), self.layers)] = value
-
-    def _truncated_costs(self):
-        return _TRUNCATED_COSTS.get((id(self.speech), self.layers))
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return Capabilities(first_layers=self.layers is None)
-
-    @property
-    def decoder(self):
-        return self.speech.hf.model.decoder
-
-    @property
-    def blocks(self):
-        layers = self.decoder.layers
-        return layers if self.layers is None else layers[: self.layers]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.speech.hf.get_output_embeddings().weight.shape[0]
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        value = self.speech.generation.eos_token_id
-        return tuple(int(i) for i in (value if isinstance(value, (list, tuple)) else [value]))
-
-    @property
-    def context_length(self) -> int:
-        return self.speech.context_length
-
-    @property
-    def device(self) -> torch.device:
-        return model_device(self.speech.hf)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.speech.hf.dtype
-
-    @property
-    def weight_bytes(self) -> int:
-        """What one decoder pass reads: its layers, final norm and output head (tied to the token embeddings)."""
-        parts = [*self.blocks.parameters(), *self.decoder.layer_norm.parameters(), self.head[0]]
-        return sum(p.numel() * p.element_size() for p in parts)
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        d = self.speech.hf.config.d_model
-        return 2 * len(self.blocks) * d * torch.finfo(self.dtype).bits // 8
-
-    def new_cache(self) -> SpeechCache:
-        return SpeechCache(self)
-
-    def feed_together(self, feeds) -> list[torch.Tensor]:
-        """Each cache's pass in turn (the inputs differ, so their cross-attention does)."""
-        if any(cache.model is not self for cache, _, _ in feeds):
-            raise ValueError("feed_together needs caches of one model")
-        return [cache.feed(ids, keep) for cache, ids, keep in feeds]
-
-    def clock(self) -> float:
-        return clock(self.device)
-
-    def fingerprint(self, *extra: str) -> str:
-        from assistgen.backends.torch.transforms import applied_routes
-
-        return measurement_key(self.speech, f"decoder_layers={len(self.blocks)}", "kind=speech",
-                               f"routes={applied_routes(self.speech.hf)}", f"head={self.head[0].shape[0]}", *extra)
-
-    def optimize(self, mode: str = "auto", refresh: bool = False) -> None:
-        """No speed transforms for speech targets yet: the decoder runs as loaded."""
-
-    # --- the decoder's forward pass -----------------------------------------------------------------------
-    def forward(self, cache: SpeechCache, ids: list[int], keep: int) -> torch.Tensor:
-        """Append `ids` to `cache`; the logits [keep, vocab] float32 of its last `keep` rows, suppression applied."""
-        start, n = cache.length, len(ids)
-        if start + n > self.context_length:
-            raise ValueError(f"{self.name} holds {self.context_length} decoder positions; this pass would reach "
-                             f"{start + n}")
-        dec = self.decoder
-        device = self.device
-        tokens = torch.tensor([ids], device=device)
-        positions = torch.arange(start, start + n, device=device)
-        h = dec.embed_tokens(tokens) + dec.embed_positions.weight[positions]  # [1, n, d]
-        mask = None
-        if n > 1:  # the new rows attend causally to each other and to every cached position
-            mask = torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)
-        cross = self.encoded.layers()
-        for i, layer in enumerate(self.blocks):
-            h = decoder_layer(layer, h, cache, i, start, mask, cross[i])
-        logits = self.project(dec.layer_norm(h[:, -keep:])[0])  # [keep, vocab]
-        always, first = self.masks
-        logits = logits.masked_fill(always, float("-inf"))
-        row = self.begin - (start + n - keep) - 1  # the kept row that predicts token `begin`, if any
-        if 0 <= row < keep:
-            logits[row] = logits[row].masked_fill(first, float("-inf"))
-        cache.length = start + n
-        return logits
-
-    def project(self, h: torch.Tensor) -> torch.Tensor:
-        """[keep, d] -> [keep, vocab] float32 logits: the whole head, or a drafter's rows of it (-inf elsewhere)."""
-        weight, extra = self.head
-        if extra is None:
-            return self.speech.hf.get_output_embeddings()(h).float()  # the model's own head (its route, if optimized)
-        logits = rows_product(weight, h).float()
-        full = logits.new_full((h.shape[0], self.vocab_size), float("-inf"))
-        n = self.draft_vocabulary
-        full[:, :n] = logits[:, :n]
-        full[:, extra] = logits[:, n:]
-        return full
-
-    # --- capabilities.first_layers ------------------------------------------------------------------------
-    def truncated(self, n: int) -> HeardModel:
-        if not 1 <= n < len(self.decoder.layers):
-            raise ValueError(f"{self.name} has {len(self.decoder.layers)} decoder layers; early exit needs 1..."
-                             f"{len(self.decoder.layers) - 1}")
-        return HeardModel(self.speech, self.encoded, self.begin, layers=n,
-                          draft_vocabulary=self.draft_vocabulary or DRAFT_VOCABULARY)
-
-    def exit_agreement(self, ids: list[int], positions: int | None) -> list[float]:
-        """alpha_N, N = 1..L-1: how often exit N's argmax equals the full decoder's over `ids` (teacher-forced, on
-        this input), scored at the last `positions` of them (all: None)."""
-        ids = list(ids)[: self.context_length]
-        full = self.new_cache().feed(ids, len(ids)).argmax(-1)
-        score = slice(None) if positions is None else slice(-positions, None)
-        out = []
-        for n in range(1, len(self.decoder.layers)):
-            exit_tokens = self.truncated(n).new_cache().feed(ids, len(ids)).argmax(-1)
-            out.append(float((exit_tokens[score] == full[score]).float().mean()))
-        return out
-
-    def layer_costs(self) -> list[float]:
-        """c_N: the parameters a draft token of exit N touches (its layers and its head's rows) over a full pass's."""
-        per_layer = [sum(p.numel() for p in layer.parameters()) for layer in self.decoder.layers]
-        head = self.head[0].numel()
-        drafts = self.truncated(1).head[0].numel()
-        total = sum(per_layer) + head
-        return [(sum(per_layer[:n]) + drafts) / total for n in range(1, len(per_layer))]
-
-
-_TRUNCATED_COSTS: dict = {}
-
-
-def rows_product(weight: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """h @ W.T for a few rows [n, d] as (W @ h.T).T, one row padded to two (the small-row route: a drafter's head)."""
-    padded = torch.cat([h, torch.zeros_like(h)]) if h.shape[0] == 1 else h.contiguous()
-    return (weight @ padded.T).T[: h.shape[0]]
-
-
-def attention(attn, h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> torch.Tensor:
-    """Whisper's attention for queries from `h` [1, n, d] over keys/values [1, heads, t, d_h] (query scaled first,
-    as transformers does)."""
-    q = heads(attn.q_proj(h) * attn.scaling, attn.num_heads)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0)  # [1, heads, n, d_h]
-    return attn.out_proj(out.transpose(1, 2).reshape(h.shape))
-
-
-def decoder_layer(layer, h: torch.Tensor, cache: SpeechCache, i: int, start: int, mask, cross) -> torch.Tensor:
-    """One pre-norm decoder layer: self-attention over the cache, cross-attention over the input, feed-forward."""
-    x = layer.self_attn_layer_norm(h)
-    attn = layer.self_attn
-    keys, values = cache.write(i, heads(attn.k_proj(x), attn.num_heads), heads(attn.v_proj(x), attn.num_heads), start)
-    h = h + attention(attn, x, keys, values, mask)
-    x = layer.encoder_attn_layer_norm(h)
-    h = h + attention(layer.encoder_attn, x, cross[0], cross[1], None)
-    x = layer.final_layer_norm(h)
-    return h + layer.fc2(layer.activation_fn(layer.fc1(x)))
-
-
-class SpeechCache:
-    """One decoder sequence's self-attention keys and values ([1, heads, capacity, d_h] per layer, written by
-    position); the cross-attention ones are its model's, shared."""
-
-    def __init__(self, model: HeardModel):
-        self.model = model
-        self.device = model.device
-        self.keys: list[torch.Tensor | None] = [None] * len(model.blocks)
-        self.values: list[torch.Tensor | None] = [None] * len(model.blocks)
-        self.length = 0
-        self.tokens: list[int] = []
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, start: int):
-        """Store [1, heads, n, d_h] at positions start.. of `layer`; the layer's keys and values up to them."""
-        end = start + key.shape[2]
-        buf = self.keys[layer]
-        if buf is None or buf.shape[2] < end:
-            capacity = max(end, 2 * (0 if buf is None else buf.shape[2]), 64)
-            grown_k = key.new_empty(1, key.shape[1], capacity, key.shape[3])
-            grown_v = torch.empty_like(grown_k)
-            if buf is not None:
-                grown_k[:, :, :start] = buf[:, :, :start]
-                grown_v[:, :, :start] = self.values[layer][:, :, :start]
-            self.keys[layer], self.values[layer] = grown_k, grown_v
-        self.keys[layer][:, :, start:end] = key
-        self.values[layer][:, :, start:end] = value
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
-
-    def feed(self, ids: list[int], logits_to_keep: int = 1) -> torch.Tensor:
-        if not ids:
-            raise ValueError("feed() needs at least one token")
-        if not 1 <= logits_to_keep <= len(ids):
-            raise ValueError(f"logits_to_keep must be in 1..{len(ids)}, got {logits_to_keep}")
-        with torch.inference_mode():
-            logits = self.model.forward(self, ids, logits_to_keep)
-        self.tokens.extend(ids)
-        return logits
-
-    def crop(self, length: int) -> None:
-        if not 0 <= length <= len(self.tokens):
-            raise ValueError(f"cannot crop a cache of {len(self.tokens)} positions to {length}")
-        self.length = length
-        del self.tokens[length:]
-
-    def fork(self) -> SpeechCache:
-        other = copy.copy(self)
-        other.keys = [None if t is None else t.clone() for t in self.keys]
-        other.values = [None if t is None else t.clone() for t in self.values]
-        other.tokens = list(self.tokens)
-        return other
-
-    def sync(self, ids: list[int], keep_last: int = 1) -> list[int]:
-        return synced(self, ids, keep_last)
-
-    def clock(self) -> float:
-        return clock(self.device)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
 
 
 def load_speech(spec: str, device: str | None = None, fast_linear: bool | str = "auto") -> SpeechModel:
