@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from jinja2 import TemplateError
 
@@ -118,8 +119,18 @@ def read_chat_template(template: str) -> str:
     return template
 
 
-_NAMED: dict[str, LanguageModel] = {}  # spec -> the model a name given to generate/stream/a drafter resolved to
+_NAMED: dict[tuple[str, str], Any] = {}  # (kind, spec) -> the model a name given to generate/stream/... resolved to
 _NAMING = threading.Lock()
+
+
+def resolved_once(kind: str, spec: str, load: Callable[[str], Any]):
+    """The model of this kind ("text", "speech") that `spec` names: `load(spec)` on first use in this process, then
+    the same model for every later call that names it."""
+    with _NAMING:
+        key = (kind, spec.strip())
+        if key not in _NAMED:
+            _NAMED[key] = load(key[1])
+        return _NAMED[key]
 
 
 def as_model(model) -> LanguageModel:
@@ -133,11 +144,7 @@ def as_model(model) -> LanguageModel:
     if not isinstance(model, str):
         raise ConfigError(f"A model must be a loaded model (assistgen.load_model) or its name, got "
                           f"{type(model).__name__}.")
-    with _NAMING:
-        key = model.strip()
-        if key not in _NAMED:
-            _NAMED[key] = load_model(key)
-        return _NAMED[key]
+    return resolved_once("text", model, load_model)
 
 
 def encode_prompt(model: LanguageModel, prompt: str | list[int], chat: bool = False) -> list[int]:

@@ -18,12 +18,11 @@ are resolved once per process (`as_speech_model`). Bad input raises `ConfigError
 from __future__ import annotations
 
 import os
-import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from assistgen.api import generate
+from assistgen.api import generate, resolved_once
 from assistgen.backends.embedded import SPEECH
 from assistgen.backends.torch.speech import (
     DRAFT_VOCABULARY,
@@ -82,10 +81,6 @@ def load_speech_model(spec: str, device: str | None = None) -> SpeechModel:
     return load_speech(spec, device)
 
 
-_NAMED: dict[str, SpeechModel] = {}
-_NAMING = threading.Lock()
-
-
 def as_speech_model(model) -> SpeechModel:
     """A loaded `SpeechModel` as it is; a name (an embedded alias, a folder, a hub id) loaded once per process."""
     if isinstance(model, SpeechModel):
@@ -93,11 +88,7 @@ def as_speech_model(model) -> SpeechModel:
     if not isinstance(model, str) or not model.strip():
         raise ConfigError(f"A speech model must be a loaded one (assistgen.load_speech_model) or its name "
                           f"({', '.join(SPEECH)}, a folder, a hub id), got {model!r}.")
-    with _NAMING:
-        key = model.strip()
-        if key not in _NAMED:
-            _NAMED[key] = load_speech(key)
-        return _NAMED[key]
+    return resolved_once("speech", model, load_speech)
 
 
 def windows(samples: np.ndarray) -> list[tuple[int, int]]:
