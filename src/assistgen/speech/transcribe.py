@@ -18,7 +18,7 @@ are resolved once per process (`as_speech_model`). Bad input raises `ConfigError
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -120,21 +120,18 @@ def detect_language(speech: SpeechModel, heard: HeardModel) -> str:
     return codes[int(logits[ids].argmax())]
 
 
-_EXIT_LAYERS: dict[int, int] = {}  # id(speech model) -> the exit layer its calibration chose
-
-
 def exit_layers(speech: SpeechModel, heard: HeardModel, early_exit: bool | int) -> int:
     """The exit layer: the given one, or the calibrated one (once per model: on its first input, over the decoder
     prompt and the package's sample article)."""
     if early_exit is not True:
         return int(early_exit)
-    if id(speech) not in _EXIT_LAYERS:
+    if speech.exit_layer is None:
         from importlib.resources import files
 
         text = files("assistgen").joinpath("data/article.txt").read_text()
         ids = heard_prompt(speech) + list(speech.tokenizer(text, add_special_tokens=False)["input_ids"])[:252]
-        _EXIT_LAYERS[id(speech)] = calibrate_exit_layer(heard, ids)[0]
-    return _EXIT_LAYERS[id(speech)]
+        speech.exit_layer = calibrate_exit_layer(heard, ids)[0]
+    return speech.exit_layer
 
 
 def heard_prompt(speech: SpeechModel) -> list[int]:
@@ -177,12 +174,12 @@ def transcribe(model, audio, assistant=None, language: str | None = None, prompt
     texts = []
     for start, end in windows(samples):
         window = samples[start:end]
-        features = speech.features(window)
+        heard = speech.listen(speech.features(window), begin=0)  # the encoder runs here, once per window
         if speech.multilingual and language is None:
-            language = detect_language(speech, speech.listen(features, begin=0))
+            language = detect_language(speech, heard)
             out.language = language
         ids = speech.decoder_prompt(language, task, previous)
-        heard = speech.listen(features, begin=len(ids))
+        heard = replace(heard, begin=len(ids))  # the same input: begin suppression after this decoder prompt
         room = heard.context_length - len(ids)
         if max_new_tokens is not None and not 1 <= max_new_tokens <= room:
             raise ConfigError(f"max_new_tokens must be in 1..{room} for this decoder prompt, got {max_new_tokens}.")

@@ -77,17 +77,14 @@ class HeardModel:
 
     @property
     def costs(self):
-        return self.speech.costs if self.layers is None else self._truncated_costs()
+        return self.speech.costs if self.layers is None else self.speech.truncated_costs.get(self.layers)
 
     @costs.setter
     def costs(self, value) -> None:
         if self.layers is None:
             self.speech.costs = value
         else:
-            _TRUNCATED_COSTS[(id(self.speech), self.layers)] = value
-
-    def _truncated_costs(self):
-        return _TRUNCATED_COSTS.get((id(self.speech), self.layers))
+            self.speech.truncated_costs[self.layers] = value
 
     @property
     def capabilities(self) -> Capabilities:
@@ -221,9 +218,6 @@ class HeardModel:
         drafts = self.truncated(1).head[0].numel()
         total = sum(per_layer) + head
         return [(sum(per_layer[:n]) + drafts) / total for n in range(1, len(per_layer))]
-
-
-_TRUNCATED_COSTS: dict = {}
 
 
 def rows_product(weight: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

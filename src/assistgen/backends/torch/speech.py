@@ -46,6 +46,8 @@ class SpeechModel:
     name: str
     cache_key: str | None = None
     costs: Any = None  # the policy's measurements of its decoder (one curve for every input)
+    truncated_costs: dict = field(default_factory=dict, repr=False)  # {layers: the costs of its first layers}
+    exit_layer: int | None = None  # the early-exit layer its calibration chose (`speech.transcribe`), once
     draft_heads: dict = field(default_factory=dict, repr=False)  # drafters' head rows (`draft_head`)
     backend = "torch"
 
@@ -105,6 +107,7 @@ class SpeechModel:
         if model_device(self.hf).type == "cpu" and mode:
             small_rows_linear(self.hf, mode="on" if mode == "on" else "auto", routes="mkl")
         self.costs = None
+        self.truncated_costs.clear()
 
     def listen(self, features: torch.Tensor, begin: int, draft_vocabulary: int | None = None,
                lazy: bool = False, frames: int | None = None) -> HeardModel:
