@@ -167,6 +167,8 @@ def transcribe(model, audio, assistant=None, language: str | None = None, prompt
     if task == "translate" and not speech.multilingual:
         raise ConfigError(f"{speech.name} is English-only: it cannot translate. Use task='transcribe'.")
     language = check_language(speech, language)
+    if ngram_cache is True or isinstance(ngram_cache, str):  # a namespace of this model's own: token ids differ
+        ngram_cache = f"speech:{speech.name}" + ("" if ngram_cache is True else f":{ngram_cache}")
     previous = list(speech.tokenizer(" " + prompt.strip(), add_special_tokens=False)["input_ids"]) \
         if prompt and prompt.strip() else None
     previous = previous[-(speech.context_length // 2 - 1):] if previous else None  # (Whisper keeps the prompt's end)
