@@ -41,6 +41,7 @@ from assistgen.stats import Stats
 
 TASKS = ("transcribe", "translate")
 HOP = 160  # samples per mel frame
+DRAFT_WEIGHTS = ("auto", "int8", "int4", "float", None)
 TAIL_FRAMES = 100  # mel frames of the window's padding an assistant's encoder also reads (1 s)
 
 
@@ -138,9 +139,32 @@ def heard_prompt(speech: SpeechModel) -> list[int]:
     return speech.decoder_prompt("en" if speech.multilingual else None)
 
 
+def drafting_weights(speech: SpeechModel, draft_weights: str | None) -> str | None:
+    """The scheme a drafter's copy of `speech` holds its weights in: "auto" is int8 on the CPU (PyTorch's quantized
+    kernels are CPU kernels), float elsewhere; "float" or None: as loaded."""
+    if draft_weights not in DRAFT_WEIGHTS:
+        raise ConfigError(f"draft_weights must be one of {', '.join(map(str, DRAFT_WEIGHTS))}, got {draft_weights!r}.")
+    if draft_weights == "auto":
+        return "int8" if speech.hf.device.type == "cpu" else None
+    if draft_weights in ("int8", "int4") and speech.hf.device.type != "cpu":
+        raise ConfigError(f"draft_weights={draft_weights!r} runs on the CPU only; {speech.name} is on "
+                          f"{speech.hf.device}: use draft_weights='float'.")
+    return None if draft_weights == "float" else draft_weights
+
+
+def self_drafter(target: HeardModel, scheme: str | None) -> AssistantDrafter:
+    """The target's own decoder with quantized weights (`SpeechModel.for_drafting`) on the target's encoder output:
+    the same tokenizer and the same input, so it agrees with the target on most tokens, at a fraction of its cost."""
+    if scheme is None:
+        raise ConfigError("self_draft needs quantized drafting weights (draft_weights='int8' or 'int4', on the CPU): "
+                          "the target's own float decoder would cost as much as it saves.")
+    copy = target.speech.for_drafting(scheme)
+    return AssistantDrafter(HeardModel(copy, target.encoded, target.begin, draft_vocabulary=DRAFT_VOCABULARY), target)
+
+
 def assistant_drafter(target: HeardModel, assistant: SpeechModel, window: np.ndarray, language: str | None):
-    """The assistant Whisper on the same window: same tokenizer, it drafts token ids directly; another, in universal
-    mode from its own decoder prompt."""
+    """The assistant Whisper on the same window (its copy for drafting, when `assistant` is one): same tokenizer, it
+    drafts token ids directly; another, in universal mode from its own decoder prompt."""
     own_language = language if assistant.multilingual else None
     prompt = assistant.decoder_prompt(own_language)
     frames = -(-len(window) // HOP) + TAIL_FRAMES  # the audio's own frames, and a second of the padding after it
@@ -153,15 +177,21 @@ def assistant_drafter(target: HeardModel, assistant: SpeechModel, window: np.nda
 
 def transcribe(model, audio, assistant=None, language: str | None = None, prompt: str | None = None,
                task: str = "transcribe", lookup: bool = False, early_exit: bool | int = False, ngram_cache=False,
-               schedule=None, temperature: float = 0.0, seed: int | None = None, max_new_tokens: int | None = None,
-               max_seconds: float | None = None, logprobs: bool = False) -> Transcription:
+               self_draft: bool = False, draft_weights: str | None = "auto", schedule=None, temperature: float = 0.0,
+               seed: int | None = None, max_new_tokens: int | None = None, max_seconds: float | None = None,
+               logprobs: bool = False) -> Transcription:
     """Transcribe `audio` (a path, bytes, a binary file, or 16 kHz mono samples) with `model` (see the contract);
-    `logprobs`: keep each window's token log-probabilities (`Window.logprobs`)."""
+    `self_draft`: the target's own decoder in quantized weights drafts; `draft_weights` ("auto", "int8", "int4",
+    "float"): the weights of a drafting model (the assistant, the self-draft); `logprobs`: keep each window's token
+    log-probabilities (`Window.logprobs`)."""
     samples = read_audio(audio, max_seconds, name=str(audio) if isinstance(audio, (str, os.PathLike)) else "the audio")
     speech = as_speech_model(model)
     helper = None if assistant is None else as_speech_model(assistant)
-    if helper is not None and early_exit:
-        raise ConfigError("Choose either an assistant model or early exit, not both.")
+    if sum(map(bool, (helper is not None, early_exit, self_draft))) > 1:
+        raise ConfigError("Choose one model drafter: an assistant model, early exit or self_draft, not several.")
+    scheme = drafting_weights(helper or speech, draft_weights)
+    if helper is not None and scheme and helper.quantization is None:
+        helper = helper.for_drafting(scheme)
     if task not in TASKS:
         raise ConfigError(f"task must be one of {', '.join(TASKS)}, got {task!r}.")
     if task == "translate" and not speech.multilingual:
@@ -185,7 +215,8 @@ def transcribe(model, audio, assistant=None, language: str | None = None, prompt
         room = heard.context_length - len(ids)
         if max_new_tokens is not None and not 1 <= max_new_tokens <= room:
             raise ConfigError(f"max_new_tokens must be in 1..{room} for this decoder prompt, got {max_new_tokens}.")
-        drafter = assistant_drafter(heard, helper, window, language) if helper is not None else None
+        drafter = assistant_drafter(heard, helper, window, language) if helper is not None else \
+            self_drafter(heard, scheme) if self_draft else None
         exit_n = exit_layers(speech, heard, early_exit) if early_exit else False
         result = generate(heard, ids, assistant=drafter, lookup=lookup, early_exit=exit_n, ngram_cache=ngram_cache,
                           schedule=schedule, max_new_tokens=max_new_tokens or room, temperature=temperature,

@@ -52,12 +52,13 @@ class HeardModel:
     backend = "torch"
     max_sequences = None
     masks: tuple = field(init=False)
-    head: tuple = field(init=False)  # (the head's weight rows computed, their ids beyond the first rows or None)
+    head: tuple = field(init=False)  # (the head: a layer [n, d] -> [n, rows], the ids of rows beyond the first ones
+    # or None for the whole head)
 
     def __post_init__(self):
         self.masks = suppression(self.speech, self.vocab_size, self.device)
         if self.draft_vocabulary is None or self.draft_vocabulary >= self.vocab_size:
-            self.head = (self.speech.hf.get_output_embeddings().weight, None)
+            self.head = (self.speech.hf.get_output_embeddings(), None)
         else:
             self.head = self.speech.draft_head(self.draft_vocabulary)
 
@@ -123,7 +124,8 @@ class HeardModel:
     @property
     def weight_bytes(self) -> int:
         """What one decoder pass reads: its layers, final norm and output head (tied to the token embeddings)."""
-        parts = [*self.blocks.parameters(), *self.decoder.layer_norm.parameters(), self.head[0]]
+        parts = [*self.blocks.parameters(), *self.blocks.buffers(), *self.decoder.layer_norm.parameters(),
+                 *self.head[0].parameters(), *self.head[0].buffers()]  # (quantized layers hold buffers)
         return sum(p.numel() * p.element_size() for p in parts)
 
     @property
@@ -147,7 +149,12 @@ class HeardModel:
         from assistgen.backends.torch.transforms import applied_routes
 
         return measurement_key(self.speech, f"decoder_layers={len(self.blocks)}", "kind=speech",
-                               f"routes={applied_routes(self.speech.hf)}", f"head={self.head[0].shape[0]}", *extra)
+                               f"routes={applied_routes(self.speech.hf)}", f"head={self.head_rows}",
+                               f"weights={self.speech.quantization or 'float'}", *extra)
+
+    @property
+    def head_rows(self) -> int:
+        return self.vocab_size if self.head[1] is None else self.draft_vocabulary + len(self.head[1])
 
     def optimize(self, mode: str = "auto", refresh: bool = False) -> None:
         """No speed transforms for speech targets yet: the decoder runs as loaded."""
@@ -181,10 +188,10 @@ class HeardModel:
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """[keep, d] -> [keep, vocab] float32 logits: the whole head, or a drafter's rows of it (-inf elsewhere)."""
-        weight, extra = self.head
+        head, extra = self.head
         if extra is None:
-            return self.speech.hf.get_output_embeddings()(h).float()  # the model's own head (its route, if optimized)
-        logits = rows_product(weight, h).float()
+            return head(h).float()  # the model's own head (its route, if optimized)
+        logits = head(h).float()  # [keep, rows + ends]
         full = logits.new_full((h.shape[0], self.vocab_size), float("-inf"))
         n = self.draft_vocabulary
         full[:, :n] = logits[:, :n]
@@ -214,10 +221,21 @@ class HeardModel:
     def layer_costs(self) -> list[float]:
         """c_N: the parameters a draft token of exit N touches (its layers and its head's rows) over a full pass's."""
         per_layer = [sum(p.numel() for p in layer.parameters()) for layer in self.decoder.layers]
-        head = self.head[0].numel()
-        drafts = self.truncated(1).head[0].numel()
+        head = self.head_rows * self.speech.hf.config.d_model
+        drafts = self.truncated(1).head_rows * self.speech.hf.config.d_model
         total = sum(per_layer) + head
         return [(sum(per_layer[:n]) + drafts) / total for n in range(1, len(per_layer))]
+
+
+class HeadRows(torch.nn.Module):
+    """Some rows of an output head [rows, d] as a layer: [n, d] -> [n, rows] (`rows_product`)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return rows_product(self.weight, h)
 
 
 def rows_product(weight: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

@@ -296,6 +296,27 @@ def quantization_specs(hf: torch.nn.Module, scheme: str) -> dict[str, dict]:
     return specs
 
 
+@torch.no_grad()
+def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, scheme: str) -> QuantizedLinear:
+    """One quantized layer computing x W^T + b from float W [out, in] (the float tensors are left as they are)."""
+    scheme = check_scheme(scheme)
+    require_cpu(weight.device, f"{scheme} quantization", ON_GPU)
+    out_f, in_f = weight.shape
+    group = group_size(in_f) if scheme == "int4" else None
+    if scheme == "int4" and group is None:
+        raise QuantizeError(f"A {in_f} -> {out_f} layer cannot be int4-quantized (int4 needs an input width divisible "
+                            "by 32): use int8.")
+    spec = {"kind": scheme, "group": group, "bias": bias is not None}
+    layer = _empty_module(spec, (out_f, in_f), weight.dtype, "cpu")
+    if scheme == "int4":
+        layer.set_weight(weight)
+    else:
+        layer.weight, layer.scales = int8_rows(weight)
+    if bias is not None:
+        layer.bias = bias.detach().clone()
+    return layer
+
+
 def _empty_module(spec: dict, shape: tuple[int, int], dtype: torch.dtype, device) -> torch.nn.Module:
     out_f, in_f = shape
     if spec["kind"] == "int8":
@@ -321,16 +342,14 @@ def quantize(model: Model, scheme: str) -> Model:
     shared: tuple | None = None  # float weight share its int8 rows too
     for name, spec in specs.items():
         old = hf.get_submodule(name)
-        new = _empty_module(spec, tuple(old.weight.shape), dtype, "cpu")  # weight [out, in] or [vocab, dim]
-        if spec["kind"] == "int4":
-            new.set_weight(old.weight)
-        elif old.weight is tied:
+        if spec["kind"] != "embedding" and not (spec["kind"] == "int8" and old.weight is tied):
+            new = quantized_linear(old.weight, old.bias, spec["kind"])
+        else:  # the embedding, or an int8 head tied to it: one set of int8 rows for both
+            new = _empty_module(spec, tuple(old.weight.shape), dtype, "cpu")  # weight [out, in] or [vocab, dim]
             shared = shared or int8_rows(old.weight)
             new.weight, new.scales = shared
-        else:
-            new.weight, new.scales = int8_rows(old.weight)
-        if spec["kind"] != "embedding" and old.bias is not None:
-            new.bias = old.bias.detach().clone()
+            if spec["kind"] != "embedding" and old.bias is not None:
+                new.bias = old.bias.detach().clone()
         replace_module(hf, name, new)
         del old
     model.quantization, model.quantized_layers = scheme, specs

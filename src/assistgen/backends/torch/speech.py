@@ -19,6 +19,7 @@ lives in `heard.py`.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,12 +29,17 @@ import torch.nn.functional as F
 
 from assistgen.backends.embedded import ModelLoadError
 from assistgen.backends.torch.devices import model_device
-from assistgen.backends.torch.heard import DRAFT_VOCABULARY, HeardModel, heads
+from assistgen.backends.torch.heard import DRAFT_VOCABULARY, HeadRows, HeardModel, heads
+from assistgen.backends.torch.quantize import quantized_linear
+from assistgen.backends.torch.transforms import replace_module
 
 __all__ = ["DRAFT_VOCABULARY", "SAMPLE_RATE", "WINDOW_S", "Encoded", "HeardModel", "SpeechModel", "load_speech"]
 
 SAMPLE_RATE = 16000
 WINDOW_S = 30  # one encoder window
+# A decoder layer's linears that run once per token (`SpeechModel.for_drafting` quantizes these)
+PER_TOKEN_LAYERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj",
+                    "encoder_attn.q_proj", "encoder_attn.out_proj", "fc1", "fc2")
 
 
 @dataclass(eq=False)
@@ -49,6 +55,8 @@ class SpeechModel:
     truncated_costs: dict = field(default_factory=dict, repr=False)  # {layers: the costs of its first layers}
     exit_layer: int | None = None  # the early-exit layer its calibration chose (`speech.transcribe`), once
     draft_heads: dict = field(default_factory=dict, repr=False)  # drafters' head rows (`draft_head`)
+    quantization: str | None = None  # "int8" / "int4": a copy for drafting (`for_drafting`); None: as loaded
+    drafting: dict = field(default_factory=dict, repr=False)  # {scheme: its copy for drafting}, made once
     backend = "torch"
 
     @property
@@ -122,13 +130,36 @@ class SpeechModel:
             encoded.layers()
         return HeardModel(self, encoded, begin, draft_vocabulary=draft_vocabulary)
 
-    def draft_head(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the head's first `rows` rows and the end tokens' rows [rows + ends, d], the end token ids): copied once."""
+    def draft_head(self, rows: int) -> tuple[torch.nn.Module, torch.Tensor]:
+        """(a layer computing the logits of the head's first `rows` rows and the end tokens' [n, d] -> [n, rows +
+        ends], the end token ids): its rows copied once (quantized in a copy for drafting)."""
         if rows not in self.draft_heads:
             weight = self.hf.get_output_embeddings().weight  # [vocab, d]
             ends = torch.tensor(sorted({int(self.generation.eos_token_id)}), device=weight.device)
-            self.draft_heads[rows] = (torch.cat([weight[:rows], weight[ends]]).detach(), ends)
+            kept = torch.cat([weight[:rows], weight[ends]]).detach()  # [rows + ends, d]
+            self.draft_heads[rows] = (HeadRows(kept) if self.quantization is None
+                                      else quantized_linear(kept, None, self.quantization), ends)
         return self.draft_heads[rows]
+
+    def for_drafting(self, scheme: str = "int8") -> SpeechModel:
+        """A copy of this model whose decoder's per-token layers (self-attention, the cross-attention's query and
+        output, the feed-forward; and its drafters' head rows) hold `scheme` weights (`quantize.quantized_linear`,
+        CPU only): it drafts only, so its weights change its drafts' acceptance, never the output. Every other tensor
+        (the encoder, the embeddings, the norms, the cross-attention's keys and values, which run once per window
+        over many rows) is this model's own, shared, not copied. Made once per scheme."""
+        if self.quantization is not None:
+            raise ValueError(f"{self.name} is already a {self.quantization} copy for drafting")
+        if scheme not in self.drafting:
+            shared = {id(t): t for t in (*self.hf.parameters(), *self.hf.buffers())}
+            hf = copy.deepcopy(self.hf, memo=shared)  # a new module tree over the same tensors
+            for layer in hf.model.decoder.layers:
+                for name in PER_TOKEN_LAYERS:
+                    old = layer.get_submodule(name)
+                    replace_module(layer, name, quantized_linear(old.weight, old.bias, scheme))
+            self.drafting[scheme] = SpeechModel(hf, self.tokenizer, self.extractor, name=f"{self.name}:{scheme}",
+                                                cache_key=None if self.cache_key is None
+                                                else f"{self.cache_key}:{scheme}", quantization=scheme)
+        return self.drafting[scheme]
 
 
 class Encoded:
