@@ -221,6 +221,9 @@ def test_a_server_without_a_speech_model_says_how_to_serve_one():
 @pytest.mark.parametrize("argv, words", [
     (["serve", "--speech-assistant", "whisper-tiny-en"], "--speech-assistant set(s) how transcriptions run"),
     (["serve", "--max-audio-seconds", "60"], "add --speech-model"),
+    (["serve", "--speech-self-draft"], "--speech-self-draft set(s) how transcriptions run"),
+    (["serve", "--speech-model", SPEECH, "--speech-self-draft", "--speech-draft-weights", "float"],
+     "needs quantized drafting weights"),
     (["serve", "--speech-model", SPEECH, "--replicas", "2"], "one-process server only"),
     (["serve", "--speech-model", SPEECH, "--max-audio-seconds", "0"], "--max-audio-seconds must be above 0"),
 ])

@@ -32,6 +32,9 @@ DRAFTERS = {
     "ngram": {"ngram_cache": True},
     "early-exit": {"early_exit": 3},
     "assistant (universal)": {"assistant": "whisper-tiny-en"},
+    "assistant (universal, float)": {"assistant": "whisper-tiny-en", "draft_weights": "float"},
+    "self-draft int8": {"self_draft": True},
+    "self-draft int4": {"self_draft": True, "draft_weights": "int4"},
 }
 
 
@@ -57,6 +60,28 @@ def test_drafts_are_accepted_where_the_speech_repeats(whisper_base, repeated_cli
 def test_the_universal_assistant_is_accepted(whisper_base, clip):
     out = transcribe(whisper_base, clip, language="en", assistant="whisper-tiny-en", schedule=Constant(k=3))
     assert out.stats.accepted_tokens >= out.stats.drafted_tokens // 2  # tiny.en hears what base hears
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_the_self_draft_runs_the_quantized_decoder_and_is_accepted(whisper_base, clip, scheme):
+    from assistgen.backends.torch.quantize import QuantizedLinear
+
+    out = transcribe(whisper_base, clip, language="en", self_draft=True, draft_weights=scheme, schedule=Constant(k=3))
+    copy = whisper_base.drafting[scheme]
+    layers = copy.hf.model.decoder.layers
+    assert all(isinstance(layer.fc1, QuantizedLinear) and isinstance(layer.self_attn.q_proj, QuantizedLinear)
+               for layer in layers)  # the drafts came from quantized weights
+    assert not any(isinstance(m, QuantizedLinear) for m in whisper_base.hf.modules())  # the target's are untouched
+    assert copy.hf.model.encoder.layers[0].fc1.weight is whisper_base.hf.model.encoder.layers[0].fc1.weight  # shared
+    assert out.stats.accepted_tokens >= 0.8 * out.stats.drafted_tokens > 0  # its own decoder: it agrees
+
+
+def test_the_assistant_drafts_in_int8_by_default(whisper_base, whisper_tiny_en, clip):
+    from assistgen.backends.torch.quantize import Int8Linear
+
+    out = transcribe(whisper_base, clip, language="en", assistant=whisper_tiny_en, schedule=Constant(k=3))
+    assert out.stats.drafted_tokens > 0
+    assert isinstance(whisper_tiny_en.drafting["int8"].hf.model.decoder.layers[0].fc2, Int8Linear)
 
 
 def test_the_english_only_model_transcribes_alone_and_as_its_own_reference(whisper_tiny_en, clip):
@@ -86,7 +111,10 @@ def test_long_audio_is_decoded_in_windows(whisper_base, clip):
 @pytest.mark.parametrize("kwargs, words", [
     ({"language": "xx"}, "does not know the language"),
     ({"task": "summarize"}, "task must be one of"),
-    ({"assistant": "whisper-tiny-en", "early_exit": True}, "either an assistant model or early exit"),
+    ({"assistant": "whisper-tiny-en", "early_exit": True}, "Choose one model drafter"),
+    ({"self_draft": True, "early_exit": 2}, "Choose one model drafter"),
+    ({"self_draft": True, "draft_weights": "float"}, "self_draft needs quantized drafting weights"),
+    ({"draft_weights": "int2"}, "draft_weights must be one of"),
     ({"max_new_tokens": 0}, "max_new_tokens must be in 1.."),
 ])
 def test_bad_settings_name_the_fix(whisper_base, clip, kwargs, words):

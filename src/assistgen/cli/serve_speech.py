@@ -1,10 +1,11 @@
 """`assistgen serve`'s speech options: the Whisper that /v1/audio/transcriptions uses, its drafter, and the limits.
 
-Contract: `add_arguments(p)` declares --speech-model, --speech-assistant, --speech-early-exit, --speech-lookup,
---max-upload and --max-audio-seconds; `check(args)` refuses, before any model loads, the other options without
---speech-model and a speech model on Ray replicas (not served there); `speech_service(args)` loads the speech
-model(s) into the server's `SpeechService` (None without --speech-model), drafting with the command's --schedule;
-`limits(args)` gives the `ServerSettings` fields the options set (only those given: no default re-declared here).
+Contract: `add_arguments(p)` declares --speech-model, --speech-assistant, --speech-early-exit, --speech-self-draft,
+--speech-draft-weights, --speech-lookup, --max-upload and --max-audio-seconds; `check(args)` refuses, before any
+model loads, the other options without --speech-model and a speech model on Ray replicas (not served there);
+`speech_service(args)` loads the speech model(s) into the server's `SpeechService` (None without --speech-model),
+drafting with the command's --schedule; `limits(args)` gives the `ServerSettings` fields the options set (only those
+given: no default re-declared here).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import argparse
 
 from assistgen.config import ConfigError
 
-DEPENDENT = ("speech_assistant", "speech_early_exit", "speech_lookup", "max_upload", "max_audio_seconds")
+DEPENDENT = ("speech_assistant", "speech_early_exit", "speech_self_draft", "speech_draft_weights", "speech_lookup",
+             "max_upload", "max_audio_seconds")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                               "universal mode: whisper-tiny-en for whisper-base)")
     drafter.add_argument("--speech-early-exit", nargs="?", const=True, type=int, metavar="LAYERS",
                          help="the speech model's first LAYERS decoder layers draft (calibrated if omitted)")
+    drafter.add_argument("--speech-self-draft", action="store_true",
+                         help="the speech model's own decoder in quantized weights drafts (on the CPU)")
+    group.add_argument("--speech-draft-weights", choices=("auto", "int8", "int4", "float"),
+                       help="the weights a speech drafter runs in (default auto: int8 on the CPU)")
     group.add_argument("--speech-lookup", action="store_true",
                        help="prompt-lookup drafting over the transcript so far (no second model)")
     group.add_argument("--max-upload", metavar="BYTES", help="the largest audio file a request may upload "
@@ -43,6 +49,9 @@ def check(args: argparse.Namespace) -> None:
     elif args.replicas is not None or args.ray_address:
         raise ConfigError("--speech-model is served by the one-process server only: leave out --replicas and "
                           "--ray-address, or serve speech from a server of its own.")
+    elif args.speech_self_draft and args.speech_draft_weights == "float":
+        raise ConfigError("--speech-self-draft needs quantized drafting weights: give --speech-draft-weights int8 or "
+                          "int4, or leave it at auto.")
 
 
 def speech_service(args: argparse.Namespace):
@@ -55,7 +64,8 @@ def speech_service(args: argparse.Namespace):
     model = load_speech_model(args.speech_model, args.device)
     assistant = load_speech_model(args.speech_assistant, args.device) if args.speech_assistant else None
     return SpeechService(args.speech_model, model, assistant=assistant, lookup=args.speech_lookup,
-                         early_exit=args.speech_early_exit or False, schedule=args.schedule)
+                         early_exit=args.speech_early_exit or False, self_draft=args.speech_self_draft,
+                         draft_weights=args.speech_draft_weights or "auto", schedule=args.schedule)
 
 
 def limits(args: argparse.Namespace) -> dict:

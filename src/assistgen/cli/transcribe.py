@@ -27,6 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          help="an assistant Whisper (another tokenizer switches to universal mode: whisper-tiny-en)")
     drafter.add_argument("--early-exit", nargs="?", const=True, type=int, metavar="LAYERS",
                          help="self-drafting with the target's first LAYERS decoder layers (calibrated if omitted)")
+    drafter.add_argument("--self-draft", action="store_true",
+                         help="self-drafting with the target's own decoder in quantized weights (on the CPU)")
+    p.add_argument("--draft-weights", choices=("auto", "int8", "int4", "float"),
+                   help="the weights a drafting model runs in (default auto: int8 on the CPU)")
     p.add_argument("--temperature", type=float, help="0 (default) is greedy")
     p.add_argument("--seed", type=int)
     p.add_argument("--json", action="store_true", help="print the windows and statistics as JSON")
@@ -36,10 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_command(args: argparse.Namespace) -> int:
 
     audio = sys.stdin.buffer.read() if args.file == "-" else args.file
-    options = {k: v for k in ("language", "prompt", "assistant", "temperature", "seed")
+    options = {k: v for k in ("language", "prompt", "assistant", "draft_weights", "temperature", "seed")
                if (v := getattr(args, k)) is not None}
     out = transcribe(args.model, audio, lookup=args.lookup, ngram_cache=args.ngram_cache,
-                     early_exit=args.early_exit or False, task="translate" if args.translate else "transcribe",
+                     early_exit=args.early_exit or False, self_draft=args.self_draft,
+                     task="translate" if args.translate else "transcribe",
                      **options)
     stats = out.stats
     if args.json:

@@ -1,9 +1,10 @@
 """The speech model a server transcribes with (`SpeechService`): the name clients give, the drafters every
 transcription uses, and the one thread transcriptions run on, one at a time, off the event loop.
 
-Contract: `SpeechService(name, model, assistant=, lookup=, early_exit=, schedule=)` answers to its name and to
-OpenAI's default "whisper-1" (`answers_to`). `checked_language(code)` is the ISO-639-1 code the model decodes in
-(None: detected, or an English-only model) or a `ConfigError` naming the fix; `language_name` is a code's English
+Contract: `SpeechService(name, model, assistant=, lookup=, early_exit=, self_draft=, draft_weights=, schedule=)`
+(refused at construction, with a `ConfigError`, where the drafters or their weights cannot run) answers to its name
+and to OpenAI's default "whisper-1" (`answers_to`). `checked_language(code)` is the ISO-639-1 code the model decodes
+in (None: detected, or an English-only model) or a `ConfigError` naming the fix; `language_name` is a code's English
 name ("english"), as OpenAI's verbose replies give it. `await run(samples, language, prompt, temperature)` queues a
 transcription on the service's own worker thread (in order, one at a time; more than `max_waiting` behind the one
 running raise `Busy`) and returns its `speech.transcribe.Transcription`, with the target's log-probabilities. An
@@ -21,7 +22,7 @@ import numpy as np
 
 from assistgen.config import ConfigError
 from assistgen.spec.steps import Schedule
-from assistgen.speech.transcribe import SpeechModel, Transcription, check_language, transcribe
+from assistgen.speech.transcribe import SpeechModel, Transcription, check_language, drafting_weights, transcribe
 
 ALIASES = ("whisper-1",)  # names OpenAI's clients send by default, answered by the served speech model
 
@@ -37,14 +38,20 @@ class SpeechService:
     assistant: SpeechModel | None = None  # an assistant Whisper (another tokenizer: universal mode)
     lookup: bool = False  # prompt lookup over the transcript so far
     early_exit: bool | int = False  # the target's first decoder layers draft (True: calibrated)
+    self_draft: bool = False  # the target's own decoder in quantized weights drafts
+    draft_weights: str | None = "auto"  # a drafting model's weights (`speech.transcribe`)
     schedule: Schedule | None = None  # None: transcribe's default (cost-aware adaptive)
     max_waiting: int = 8  # transcriptions queued behind the running one; more are refused (`Busy`)
     pending: int = field(default=0, init=False)  # queued or running (read and written on the event loop only)
     worker: ThreadPoolExecutor = field(init=False)
 
     def __post_init__(self):
-        if self.assistant is not None and self.early_exit:
-            raise ConfigError("Choose either a speech assistant or speech early exit, not both.")
+        if sum(map(bool, (self.assistant is not None, self.early_exit, self.self_draft))) > 1:
+            raise ConfigError("Choose one speech drafter: a speech assistant, speech early exit or speech self-draft.")
+        scheme = drafting_weights(self.assistant or self.model, self.draft_weights)
+        if self.self_draft and scheme is None:
+            raise ConfigError("The speech self-draft needs quantized drafting weights: leave --speech-draft-weights at "
+                              "auto (int8 on the CPU), or give int8 or int4.")
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="transcribe")
 
     def answers_to(self, name: str) -> bool:
@@ -76,7 +83,8 @@ class SpeechService:
     def transcribe(self, samples: np.ndarray, language: str | None, prompt: str | None,
                    temperature: float) -> Transcription:
         return transcribe(self.model, samples, assistant=self.assistant, language=language, prompt=prompt,
-                          lookup=self.lookup, early_exit=self.early_exit, schedule=self.schedule,
+                          lookup=self.lookup, early_exit=self.early_exit, self_draft=self.self_draft,
+                          draft_weights=self.draft_weights, schedule=self.schedule,
                           temperature=temperature, logprobs=True)
 
     def close(self) -> None:

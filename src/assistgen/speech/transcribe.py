@@ -3,16 +3,19 @@
 Contract: `transcribe(model, audio, ...)` reads the audio (`audio.read_audio`), cuts it into consecutive windows of
 at most 30 s, and for each one runs the encoder once (`SpeechModel.listen`) and the generation loop (`api.generate`)
 on the decoder conditioned on it, with the drafters asked for: prompt lookup, the n-gram cache, early exit (the
-target's own first decoder layers, on the same encoder output), or an assistant Whisper (its own encoder on the same
-window's audio, run at its first draft and only over the audio itself and a second after it; another tokenizer
-switches to universal mode, the assistant starting from its own decoder prompt). The decoder prompt is transformers'
-short-form one (`SpeechModel.decoder_prompt`: the `prompt` text as earlier context, its last tokens only, half the
-decoder's context less one, as Whisper keeps them; the language, the task, no timestamps); a multilingual model
-given no language detects it from the first window as `generate()` does (the most likely language token after
-<|startoftranscript|>). Each later window gets the text of the one before as its earlier context. Greedy output per
-window is the target's own (what `generate()` gives on the same features and decoder prompt); sampling follows its
-distribution; `logprobs=True` keeps each generated token's log-probability (the target's). Names of speech models
-are resolved once per process (`as_speech_model`). Bad input raises `ConfigError` or `AudioError` naming the fix.
+target's own first decoder layers, on the same encoder output), the self-draft (the target's own decoder in
+quantized weights, on the same encoder output), or an assistant Whisper (its own encoder on the same window's audio,
+run at its first draft and only over the audio itself and a second after it; another tokenizer switches to universal
+mode, the assistant starting from its own decoder prompt). A drafting model runs in `draft_weights` (default: int8
+on the CPU, `SpeechModel.for_drafting`); they change how many drafts are accepted, never the output. The decoder
+prompt is transformers' short-form one (`SpeechModel.decoder_prompt`: the `prompt` text as earlier context, its last
+tokens only, half the decoder's context less one, as Whisper keeps them; the language, the task, no timestamps); a
+multilingual model given no language detects it from the first window as `generate()` does (the most likely language
+token after <|startoftranscript|>). Each later window gets the text of the one before as its earlier context. Greedy
+output per window is the target's own (what `generate()` gives on the same features and decoder prompt); sampling
+follows its distribution; `logprobs=True` keeps each generated token's log-probability (the target's). Names of
+speech models are resolved once per process (`as_speech_model`). Bad input raises `ConfigError` or `AudioError`
+naming the fix.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ the model's `suppress_tokens` are -inf on every row, and its `begin_suppress_tok
 module's weights, with the same operations in the same order (pre-norm layers, the query scaled before attention),
 and keys and values in preallocated buffers written by position (crop is free, fork copies the self-attention
 buffers). `truncated(n)` runs the first n decoder layers (early exit); measurements (`costs`) belong to the
-`SpeechModel`, shared by every input it hears. The decoder's side (`HeardModel`, its caches and forward pass)
+`SpeechModel`, shared by every input it hears. `for_drafting(scheme)` is a copy whose decoder runs in int8 or int4
+weights (sharing every other tensor), for drafters only. The decoder's side (`HeardModel`, its caches and forward pass)
 lives in `heard.py`.
 """
 
