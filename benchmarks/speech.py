@@ -46,7 +46,11 @@ METHODS = {
     "lookup": {"lookup": True},
     "ngram": {"ngram_cache": None},  # filled per run: a copy of the cache the earlier clips taught
     "early-exit": {"early_exit": True},
-    "assistant": {"assistant": "whisper-tiny-en"},  # tiny.en: another tokenizer, universal mode
+    "self-draft int8": {"self_draft": True},  # base's own decoder in int8 weights, on base's encoder output
+    "self-draft int4": {"self_draft": True, "draft_weights": "int4"},
+    "lookup+self-draft": {"lookup": True, "self_draft": True},
+    "assistant": {"assistant": "whisper-tiny-en"},  # tiny.en (int8 weights): another tokenizer, universal mode
+    "assistant float": {"assistant": "whisper-tiny-en", "draft_weights": "float"},
     "lookup+assistant": {"lookup": True, "assistant": "whisper-tiny-en"},
 }
 

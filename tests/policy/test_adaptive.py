@@ -545,3 +545,13 @@ def test_one_fit_tells_a_fixed_cost_per_pass_from_a_machine_uniformly_slower():
     for _ in range(5):
         still.observe((1, 1, 0), 0.1 + 1.2)
     assert still.fixed() == pytest.approx(11.0)
+
+
+def test_a_positions_first_observation_starts_from_what_was_estimated_for_it():
+    acceptance = Acceptance(0.5, 0.2, 4)
+    for _ in range(20):  # only first tokens verified so far, all of them right
+        acceptance.record(verified=1, accepted=1)
+    before = acceptance.estimate()
+    assert before[1] == before[0] > 0.95  # the second position is taken from the first
+    acceptance.record(verified=2, accepted=2)  # the second position verified for the first time: right
+    assert acceptance.estimate()[1] >= before[1]  # an accepted token never lowers its position's estimate

@@ -76,6 +76,22 @@ def test_the_self_draft_runs_the_quantized_decoder_and_is_accepted(whisper_base,
     assert out.stats.accepted_tokens >= 0.8 * out.stats.drafted_tokens > 0  # its own decoder: it agrees
 
 
+def test_the_self_draft_starts_from_its_measured_agreement(whisper_base, clip):
+    from assistgen import Adaptive
+    from assistgen.speech.audio import read_audio
+    from assistgen.speech.transcribe import self_drafter
+
+    out = transcribe(whisper_base, clip, language="en", self_draft=True)  # the cost-aware policy chooses k
+    assert out.stats.accepted_tokens > 0
+    measured = whisper_base.agreement["int8"]
+    assert 0.8 < measured <= 1.0  # measured once: the int8 decoder agrees with the float one
+    heard = whisper_base.listen(whisper_base.features(read_audio(clip)), begin=4)
+    drafter = self_drafter(heard, "int8")
+    assert drafter.acceptance_prior == measured
+    run = Adaptive().prepare(heard, [drafter])
+    assert run.estimate(drafter.name).estimate()[0] == pytest.approx(measured)  # the policy starts from it
+
+
 def test_the_assistant_drafts_in_int8_by_default(whisper_base, whisper_tiny_en, clip):
     from assistgen.backends.torch.quantize import Int8Linear
 

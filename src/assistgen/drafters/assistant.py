@@ -4,9 +4,11 @@ Contract: `AssistantDrafter(assistant, target)` drafts token by token with the a
 (`LanguageModel.new_cache`; any backend): before each proposal the cache is cropped to the prefix it
 shares with the sequence and fed what it has not seen (after a full acceptance the last draft token and
 the bonus token, after a rejection the recovered token). Its q rows are the assistant's processed
-distributions, fitted to the target's logits width (`fit_vocab`). `same_tokenizer` says whether two
-models' tokenizers map every token string to the same id (an assistant whose tokenizer differs drafts
-through `universal.UniversalDrafter` instead).
+distributions, fitted to the target's logits width (`fit_vocab`). `acceptance_prior`, when given, is the
+acceptance the policy starts from (`agreement` measures one: how often the assistant's argmax is the
+target's over a teacher-forced text). `same_tokenizer` says whether two models' tokenizers map every token
+string to the same id (an assistant whose tokenizer differs drafts through `universal.UniversalDrafter`
+instead).
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ class AssistantDrafter(Drafter):
     """A smaller model with the target's tokenizer drafts token by token with its own KV cache."""
 
     name = "assistant"
-    acceptance_prior = None
 
-    def __init__(self, assistant, target):
+    def __init__(self, assistant, target, acceptance_prior: float | None = None):
         check_same_tokenizer(target, assistant)
         self.model = assistant
+        self.acceptance_prior = acceptance_prior
         self.cache = assistant.new_cache()
         self.vocab_size = target.vocab_size
         self.context_length = assistant.context_length
@@ -56,6 +58,17 @@ class AssistantDrafter(Drafter):
         if rows:
             draft.probs = torch.stack(rows)  # [n, vocab]
         return draft
+
+
+def agreement(target, assistant, ids: list[int], positions: int | None = None) -> float:
+    """How often the assistant's argmax equals the target's over `ids`, teacher-forced (one pass of each over the
+    whole text), scored at the last `positions` of them (all: None); both share the target's tokenizer."""
+    ids = list(ids)[: min(target.context_length, assistant.context_length)]
+    width = target.vocab_size
+    mine = fit_vocab(assistant.new_cache().feed(ids, len(ids)), width).argmax(-1)  # [len(ids)]
+    theirs = target.new_cache().feed(ids, len(ids)).argmax(-1)
+    scored = slice(None) if positions is None else slice(-positions, None)
+    return float((mine[scored] == theirs[scored]).float().mean())
 
 
 class TokenizerMismatchError(ValueError):

@@ -4,7 +4,8 @@ Contract: `Acceptance(prior, weight, size)` holds one rate per draft position (0
 `start` (default: `prior`) worth `prior_weight` observations, then an exponential moving average at `weight`;
 `record(verified, accepted)` learns one step (positions 0..accepted-1 kept, position `accepted` rejected when it
 was verified); `estimate()` gives the rates with never-observed positions taken from the one before (at least
-`unseen_floor`): the rates `gain.py` optimizes over.
+`unseen_floor`): the rates `gain.py` optimizes over. A position's first observation updates that estimate (not
+the prior), so an accepted token never lowers the rate estimated for its position.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class Acceptance:
     def observe(self, position: int, accepted: bool) -> None:
         if position >= self.size:
             return
+        if self.seen[position] == 0 and position > 0:  # its first observation updates what was estimated for it
+            self.rates[position] = self.estimate()[position]
         # Average the first few observations with the starting rate (worth `prior_weight` observations), then forget
         # old ones at `weight`: one lucky draft does not set a position's rate to 1.
         w = max(self.weight, 1.0 / (self.seen[position] + 1 + self.prior_weight))

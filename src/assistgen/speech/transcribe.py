@@ -4,7 +4,8 @@ Contract: `transcribe(model, audio, ...)` reads the audio (`audio.read_audio`), 
 at most 30 s, and for each one runs the encoder once (`SpeechModel.listen`) and the generation loop (`api.generate`)
 on the decoder conditioned on it, with the drafters asked for: prompt lookup, the n-gram cache, early exit (the
 target's own first decoder layers, on the same encoder output), the self-draft (the target's own decoder in
-quantized weights, on the same encoder output), or an assistant Whisper (its own encoder on the same window's audio,
+quantized weights, on the same encoder output; the policy starts from its agreement with the target, measured once
+per model on the calibration text), or an assistant Whisper (its own encoder on the same window's audio,
 run at its first draft and only over the audio itself and a second after it; another tokenizer switches to universal
 mode, the assistant starting from its own decoder prompt). A drafting model runs in `draft_weights` (default: int8
 on the CPU, `SpeechModel.for_drafting`); they change how many drafts are accepted, never the output. The decoder
@@ -36,7 +37,7 @@ from assistgen.backends.torch.speech import (
     load_speech,
 )
 from assistgen.config import ConfigError
-from assistgen.drafters.assistant import AssistantDrafter
+from assistgen.drafters.assistant import AssistantDrafter, agreement
 from assistgen.drafters.early_exit import calibrate_exit_layer
 from assistgen.drafters.universal import UniversalDrafter
 from assistgen.speech.audio import read_audio
@@ -130,12 +131,16 @@ def exit_layers(speech: SpeechModel, heard: HeardModel, early_exit: bool | int) 
     if early_exit is not True:
         return int(early_exit)
     if speech.exit_layer is None:
-        from importlib.resources import files
-
-        text = files("assistgen").joinpath("data/article.txt").read_text()
-        ids = heard_prompt(speech) + list(speech.tokenizer(text, add_special_tokens=False)["input_ids"])[:252]
-        speech.exit_layer = calibrate_exit_layer(heard, ids)[0]
+        speech.exit_layer = calibrate_exit_layer(heard, calibration_ids(speech))[0]
     return speech.exit_layer
+
+
+def calibration_ids(speech: SpeechModel) -> list[int]:
+    """A decoder prompt and the package's sample article (256 tokens): the text drafters are calibrated on."""
+    from importlib.resources import files
+
+    text = files("assistgen").joinpath("data/article.txt").read_text()
+    return heard_prompt(speech) + list(speech.tokenizer(text, add_special_tokens=False)["input_ids"])[:252]
 
 
 def heard_prompt(speech: SpeechModel) -> list[int]:
@@ -161,8 +166,14 @@ def self_drafter(target: HeardModel, scheme: str | None) -> AssistantDrafter:
     if scheme is None:
         raise ConfigError("self_draft needs quantized drafting weights (draft_weights='int8' or 'int4', on the CPU): "
                           "the target's own float decoder would cost as much as it saves.")
-    copy = target.speech.for_drafting(scheme)
-    return AssistantDrafter(HeardModel(copy, target.encoded, target.begin, draft_vocabulary=DRAFT_VOCABULARY), target)
+    speech, copy = target.speech, target.speech.for_drafting(scheme)
+    heard = HeardModel(copy, target.encoded, target.begin, draft_vocabulary=DRAFT_VOCABULARY)
+    if scheme not in speech.agreement:  # once per model: on its first input, over the calibration text
+        ids = calibration_ids(speech)
+        speech.agreement[scheme] = agreement(replace(target, begin=len(heard_prompt(speech))),
+                                             replace(heard, begin=len(heard_prompt(speech))), ids,
+                                             positions=len(ids) - len(heard_prompt(speech)))
+    return AssistantDrafter(heard, target, acceptance_prior=speech.agreement[scheme])
 
 
 def assistant_drafter(target: HeardModel, assistant: SpeechModel, window: np.ndarray, language: str | None):

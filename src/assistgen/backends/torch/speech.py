@@ -55,6 +55,7 @@ class SpeechModel:
     costs: Any = None  # the policy's measurements of its decoder (one curve for every input)
     truncated_costs: dict = field(default_factory=dict, repr=False)  # {layers: the costs of its first layers}
     exit_layer: int | None = None  # the early-exit layer its calibration chose (`speech.transcribe`), once
+    agreement: dict = field(default_factory=dict, repr=False)  # {scheme: how often its copy for drafting agrees}
     draft_heads: dict = field(default_factory=dict, repr=False)  # drafters' head rows (`draft_head`)
     quantization: str | None = None  # "int8" / "int4": a copy for drafting (`for_drafting`); None: as loaded
     drafting: dict = field(default_factory=dict, repr=False)  # {scheme: its copy for drafting}, made once
@@ -117,6 +118,7 @@ class SpeechModel:
             small_rows_linear(self.hf, mode="on" if mode == "on" else "auto", routes="mkl")
         self.costs = None
         self.truncated_costs.clear()
+        self.agreement.clear()
 
     def listen(self, features: torch.Tensor, begin: int, draft_vocabulary: int | None = None,
                lazy: bool = False, frames: int | None = None) -> HeardModel:
