@@ -44,10 +44,19 @@ class GenerationConfig:
     logprobs: int | None = None  # None: none; n >= 0: each emitted token's log-probability and its n most likely
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (from the first on), on the first chunk
     structure: Structure | None = None  # None: free text; else the grammar every emitted token must follow
+    # How many new tokens the caller expects, when it knows better than max_new_tokens (a transcript's length follows
+    # its audio's); None: max_new_tokens. A hint only: one-off costs of a drafter (its catch-up, its start-up) are
+    # priced against it; the generation still stops at max_new_tokens, an end token or a stop string.
+    expected_new_tokens: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def budget(self) -> int:
+        """The new tokens one-off costs are priced against: `expected_new_tokens`, at most `max_new_tokens`."""
+        return min(self.max_new_tokens, self.expected_new_tokens or self.max_new_tokens)
 
     def validate(self) -> GenerationConfig:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -74,6 +83,10 @@ class GenerationConfig:
                                       or not 0 <= value <= MAX_LOGPROBS):
                 raise ConfigError(f"{name} must be None or an integer from 0 to {MAX_LOGPROBS} (the alternatives "
                                   f"to list per token), got {value!r}.")
+        if self.expected_new_tokens is not None and (isinstance(self.expected_new_tokens, bool)
+                                                     or not isinstance(self.expected_new_tokens, int)
+                                                     or self.expected_new_tokens < 1):
+            raise ConfigError(f"expected_new_tokens must be None or an integer >= 1, got {self.expected_new_tokens!r}.")
         if self.structure is not None:
             if not isinstance(self.structure, Structure) or self.structure.kind not in STRUCTURES:
                 raise ConfigError(f"structure must be a Structure whose kind is one of {', '.join(STRUCTURES)}, "

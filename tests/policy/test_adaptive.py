@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -49,7 +50,7 @@ class Costly:
     """A drafter part with a model: cost from the prior, so the policy picks k before drafting."""
 
     name = "assistant"
-    model = object()
+    model = SimpleNamespace(startup_s=0.0)  # a model: the policy reads its start-up (none) and, by the prior, its cost
     acceptance_prior = None
 
 
@@ -183,6 +184,30 @@ def test_a_costly_drafter_starts_only_when_its_catch_up_on_the_prompt_pays():
     assert first_k(1500, 64) == 0  # catching up costs 0.2 * 1500 * 1.32 / 17 = 23 plain steps; drafting saves ~14
     assert first_k(1500, 4096) > 0
     assert first_k(1500, None) > 0  # no budget known: the catch-up is assumed to pay
+
+
+class Encoding:
+    """A model drafter whose model must first encode its input (`startup_s`: a speech assistant's encoder)."""
+
+    name = "assistant"
+    acceptance_prior = 0.9
+
+    def __init__(self, startup_s: float):
+        self.model = SimpleNamespace(startup_s=startup_s)  # the policy reads only this of it (its cost: the prior)
+
+
+def test_a_drafter_whose_model_must_first_encode_starts_only_when_that_pays():
+    settings = Adaptive(curve=[1.0 + 0.02 * k for k in range(17)], drafter_cost_prior=0.2)
+
+    def first_k(startup_s, budget):
+        policy = settings.prepare(None, [Encoding(startup_s)], prompt_length=4, budget=budget)
+        for _ in range(3):  # three plain steps of 0.05 s: the unit the start-up is priced in
+            policy.update(step([], "", 0, 0, token=1))
+        return policy.next_k(Encoding(startup_s))
+
+    assert first_k(0.5, 12) == 0  # 10 plain steps of encoding before drafting 9 more tokens: no
+    assert first_k(0.5, 400) > 0  # before 393 more: yes
+    assert first_k(0.0, 12) > 0  # nothing to encode: drafting pays at once
 
 
 def test_a_drafter_that_drafted_last_step_pays_no_catch_up():
@@ -461,7 +486,7 @@ def test_an_offloaded_target_prices_a_resident_assistant_by_measured_step_times(
         return PassCosts.of({"step_seconds": seconds, "verification_costs": [t / t1 for t in seconds],
                              "wide_rows": [], "wide_costs": [], "sequence_cost": 0.0, "batch_row_cost": 0.0})
 
-    assistant = SimpleNamespace(weight_bytes=450, costs=measured(0.03, 0.5))
+    assistant = SimpleNamespace(weight_bytes=450, costs=measured(0.03, 0.5), startup_s=0.0)
     drafter = SimpleNamespace(name="assistant", model=assistant, acceptance_prior=None)
     streamed = SimpleNamespace(weight_bytes=1000, costs=measured(1.2, 0.02), capabilities=Capabilities(offloaded=True))
     resident = SimpleNamespace(weight_bytes=1000, costs=measured(0.1, 0.75), capabilities=Capabilities())

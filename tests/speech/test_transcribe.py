@@ -92,6 +92,22 @@ def test_the_self_draft_starts_from_its_measured_agreement(whisper_base, clip):
     assert run.estimate(drafter.name).estimate()[0] == pytest.approx(measured)  # the policy starts from it
 
 
+def test_an_assistants_encoder_is_priced_before_it_runs(whisper_base, whisper_tiny_en, clip):
+    from assistgen.speech.transcribe import assistant_drafter, expected_tokens
+
+    samples = read_audio(clip)
+    heard = whisper_base.listen(whisper_base.features(samples), begin=4)
+    drafter = assistant_drafter(heard, whisper_tiny_en, samples, "en")  # its encoder runs when it first drafts
+    transcribe(whisper_base, clip, language="en", assistant=whisper_tiny_en, draft_weights="float",
+               schedule=Constant(k=2))  # tiny.en's encoder has run, and been timed, once
+    pending = drafter.model.startup_s
+    assert 0 < pending == pytest.approx(whisper_tiny_en.encoder_s_per_frame * drafter.model.encoded.frames_read)
+    assert drafter.model.encoded.frames_read == -(-samples.size // 160) + 100  # the audio and a second of padding
+    drafter.model.encoded.layers()
+    assert drafter.model.startup_s == 0.0  # encoded: nothing left to pay
+    assert expected_tokens(samples) == int(samples.size / 16000 * 4.0) + 1  # what the policy prices it against
+
+
 def test_the_assistant_drafts_in_int8_by_default(whisper_base, whisper_tiny_en, clip):
     from assistgen.backends.torch.quantize import Int8Linear
 

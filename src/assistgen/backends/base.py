@@ -17,7 +17,8 @@ plus what decoding needs to know: `name`, `backend` (the library's name, for mes
 logits), `eos_token_ids`, `context_length` (None when unbounded), `device` (where logits, and the
 tensors made from them, live), `weight_bytes` (what a forward pass reads, for the policy's cost prior),
 `max_sequences` (how many caches can live at once, None:
-no bound), `kv_bytes_per_token` (the keys and values one cached position holds),
+no bound), `kv_bytes_per_token` (the keys and values one cached position holds), `startup_s` (the seconds of
+one-off work its next pass does before its own: an input it encodes when first needed; 0.0 when none or not known),
 `clock()` (seconds on a monotonic clock once the device's queued work is done: every timing above the
 seam goes through it), `optimize(mode, refresh)` (the backend's own speed transforms, "auto": only
 where they measure faster; it drops `costs`, which no longer hold) and `fingerprint(*extra)` (a stable
@@ -86,6 +87,7 @@ class LanguageModel(Protocol):
     costs: Any  # the policy's measurements of this model (`policy.costs.PassCosts`), None until measured
     capabilities: Capabilities
     max_sequences: int | None  # how many caches can live at once (llama.cpp's sequence ids); None: no bound
+    startup_s: float  # one-off work the next pass does first (a lazily encoded input), in seconds; 0.0: none
 
     @property
     def vocab_size(self) -> int: ...

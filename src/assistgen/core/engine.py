@@ -72,7 +72,7 @@ def begin(target: LanguageModel, prompt_ids: list[int], drafter: Drafter, schedu
     if constraint is not None and drafters:  # speculating: what the grammar forces is drafted first
         drafters = [GrammarDrafter(constraint)] + drafters
     started = target.clock()
-    run = schedule.prepare(target, drafters, len(prompt_ids), config.greedy, config.max_new_tokens)  # its state
+    run = schedule.prepare(target, drafters, len(prompt_ids), config.greedy, config.budget)  # its state
     return GenerationState(target, list(prompt_ids), drafter, drafters, run, config, Sampler(config),
                            TextStream(target.tokenizer, config.stop),
                            Stats(mode=drafter.name, prompt_tokens=len(prompt_ids),

@@ -188,11 +188,12 @@ class AdaptiveRun:
         if name not in self.timed:  # a prior, in plain steps as measured: the passes' extra time is not the drafter's
             c /= self.slowdown()
         k, gain = best_lookahead(self.estimate(name).estimate(), self.curve, c, self.k_max())
-        if k > 0 and self.catch_up_pays(name, c, gain):
+        startup = self.startup_cost(drafter)
+        if k > 0 and self.catch_up_pays(name, c, gain, startup):
             self.off_steps[name] = 0
             return k
         self.off_steps[name] = self.off_steps.get(name, 0) + 1
-        if self.off_steps[name] * self.settings.probe_share >= self.probe_cost(name, c):
+        if self.off_steps[name] * self.settings.probe_share >= self.probe_cost(name, c) + startup:
             self.off_steps[name] = 0
             self.probes += 1
             return 1
@@ -212,11 +213,19 @@ class AdaptiveRun:
         unseen = self.length - self.seen.get(name, 0)
         return c * unseen * self.curve[-1] / len(self.curve)
 
-    def catch_up_pays(self, name: str, c: float, gain: float) -> bool:
-        """Whether switching a drafter on is worth its catch-up: drafting at the expected `gain` for the rest of the
-        generation must save more plain steps than the catch-up costs. The prompt is the catch-up of a drafter's
-        first use, so a long prompt with few tokens to generate keeps a costly assistant off from the start."""
-        cost = self.catch_up_cost(name, c)
+    def startup_cost(self, drafter: Drafter) -> float:
+        """The one-off work its model does before its first pass (`startup_s`: an input it encodes when first
+        needed), in plain steps of the target (0 when none, or when no plain step has been timed)."""
+        seconds = drafter.model.startup_s if drafter.model is not None else 0.0
+        unit = self.unit_s or plain_seconds(self.measured)
+        return seconds / unit if seconds and unit else 0.0
+
+    def catch_up_pays(self, name: str, c: float, gain: float, startup: float = 0.0) -> bool:
+        """Whether switching a drafter on is worth its catch-up and its model's `startup` (plain steps): drafting at
+        the expected `gain` for the rest of the generation (the budget `prepare` was given) must save more plain
+        steps than they cost. The prompt is the catch-up of a drafter's first use, so a long prompt with few tokens
+        to generate keeps a costly assistant off from the start."""
+        cost = self.catch_up_cost(name, c) + startup
         if cost == 0.0 or self.end is None:
             return True
         return (self.end - self.length) * (1.0 - 1.0 / gain) > cost

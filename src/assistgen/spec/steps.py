@@ -4,7 +4,8 @@ Contract: the `Schedule` the user passes holds settings only (a frozen dataclass
 generations and threads, never changed by a generation). Its
     prepare(target, drafters, prompt_length, greedy, budget) -> ScheduleRun
 is called once per generation, before the first step (drafters: cheapest first; greedy: whether the
-generation is greedy; budget: the most new tokens it may emit, None when unknown), and returns that
+generation is greedy; budget: the new tokens it is expected to emit, at most the most it may emit
+(`GenerationConfig.budget`), None when unknown), and returns that
 generation's `ScheduleRun`, which holds whatever the generation learns and answers the loop:
     next_k(drafter) -> int      how many tokens to ask `drafter` for (0: skip it this step);
     rates(draft, drafter_name) -> list | None  the acceptance estimate (`policy.gain`'s rates) for that draft,

@@ -5,18 +5,19 @@ at most 30 s, and for each one runs the encoder once (`SpeechModel.listen`) and 
 on the decoder conditioned on it, with the drafters asked for: prompt lookup, the n-gram cache, early exit (the
 target's own first decoder layers, on the same encoder output), the self-draft (the target's own decoder in
 quantized weights, on the same encoder output; the policy starts from its agreement with the target, measured once
-per model on the calibration text), or an assistant Whisper (its own encoder on the same window's audio,
-run at its first draft and only over the audio itself and a second after it; another tokenizer switches to universal
-mode, the assistant starting from its own decoder prompt). A drafting model runs in `draft_weights` (default: int8
-on the CPU, `SpeechModel.for_drafting`); they change how many drafts are accepted, never the output. The decoder
-prompt is transformers' short-form one (`SpeechModel.decoder_prompt`: the `prompt` text as earlier context, its last
-tokens only, half the decoder's context less one, as Whisper keeps them; the language, the task, no timestamps); a
-multilingual model given no language detects it from the first window as `generate()` does (the most likely language
-token after <|startoftranscript|>). Each later window gets the text of the one before as its earlier context. Greedy
-output per window is the target's own (what `generate()` gives on the same features and decoder prompt); sampling
-follows its distribution; `logprobs=True` keeps each generated token's log-probability (the target's). Names of
-speech models are resolved once per process (`as_speech_model`). Bad input raises `ConfigError` or `AudioError`
-naming the fix.
+per model on the calibration text), or an assistant Whisper (its own encoder on the same window's audio, run at its
+first draft and only over the audio itself and a second after it; another tokenizer switches to universal mode, the
+assistant starting from its own decoder prompt). A drafting model runs in `draft_weights` (default: int8 on the CPU,
+`SpeechModel.for_drafting`); they change how many drafts are accepted, never the output. The policy prices one-off
+costs (an assistant's encoder) against the transcript's expected length (`expected_tokens`, from the window's
+duration). The decoder prompt is transformers' short-form one (`SpeechModel.decoder_prompt`: the `prompt` text as
+earlier context, its last tokens only, half the decoder's context less one, as Whisper keeps them; the language, the
+task, no timestamps); a multilingual model given no language detects it from the first window as `generate()` does
+(the most likely language token after <|startoftranscript|>). Each later window gets the text of the one before as
+its earlier context. Greedy output per window is the target's own (what `generate()` gives on the same features and
+decoder prompt); sampling follows its distribution; `logprobs=True` keeps each generated token's log-probability
+(the target's). Names of speech models are resolved once per process (`as_speech_model`). Bad input raises
+`ConfigError` or `AudioError` naming the fix.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ TASKS = ("transcribe", "translate")
 HOP = 160  # samples per mel frame
 DRAFT_WEIGHTS = ("auto", "int8", "int4", "float", None)
 TAIL_FRAMES = 100  # mel frames of the window's padding an assistant's encoder also reads (1 s)
+# The tokens a second of speech is expected to give (a brisk speaker: about 3 words a second, 1.3 tokens a word): the
+# length the policy prices a drafter's one-off costs against (an assistant's encoder), never a limit.
+SPOKEN_TOKENS_PER_S = 4.0
 
 
 @dataclass
@@ -147,6 +151,11 @@ def heard_prompt(speech: SpeechModel) -> list[int]:
     return speech.decoder_prompt("en" if speech.multilingual else None)
 
 
+def expected_tokens(window: np.ndarray) -> int:
+    """The tokens a window's transcript is expected to take (`SPOKEN_TOKENS_PER_S`), its end token included."""
+    return int(len(window) / SAMPLE_RATE * SPOKEN_TOKENS_PER_S) + 1
+
+
 def drafting_weights(speech: SpeechModel, draft_weights: str | None) -> str | None:
     """The scheme a drafter's copy of `speech` holds its weights in: "auto" is int8 on the CPU (PyTorch's quantized
     kernels are CPU kernels), float elsewhere; "float" or None: as loaded."""
@@ -234,6 +243,7 @@ def transcribe(model, audio, assistant=None, language: str | None = None, prompt
         exit_n = exit_layers(speech, heard, early_exit) if early_exit else False
         result = generate(heard, ids, assistant=drafter, lookup=lookup, early_exit=exit_n, ngram_cache=ngram_cache,
                           schedule=schedule, max_new_tokens=max_new_tokens or room, temperature=temperature,
+                          expected_new_tokens=expected_tokens(window),
                           seed=seed, logprobs=0 if logprobs else None)
         text = speech.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         kept = [lp.logprob for lp in result.logprobs] if logprobs else None

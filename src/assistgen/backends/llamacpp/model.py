@@ -87,6 +87,7 @@ class LlamaModel:
     """One GGUF model and its llama.cpp context, behind `backends.base.LanguageModel`."""
 
     backend = "llama.cpp"
+    startup_s = 0.0
 
     def __init__(self, lib, model_ptr, context_ptr, tokenizer, name: str, path: Path, settings: LlamaSettings,
                  cache_key: str | None = None):

@@ -88,6 +88,11 @@ class HeardModel:
             self.speech.truncated_costs[self.layers] = value
 
     @property
+    def startup_s(self) -> float:
+        """What encoding the input still costs before the first pass (lazily encoded: `speech.Encoded`)."""
+        return self.encoded.pending_s()
+
+    @property
     def capabilities(self) -> Capabilities:
         return Capabilities(first_layers=self.layers is None)
 

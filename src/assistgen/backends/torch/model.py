@@ -40,6 +40,7 @@ class Model:
     max_memory: int | None = None  # the budget its weights were offloaded under (`offload.py`), bytes; None: none
     has_layers: bool = field(init=False)  # its decoder layers are found (`layers.py`): early exit can run
     backend = "torch"
+    startup_s = 0.0
     max_sequences = None  # each cache has buffers of its own
 
     def __post_init__(self):

@@ -32,6 +32,7 @@ from assistgen.backends.embedded import ModelLoadError
 from assistgen.backends.torch.devices import model_device
 from assistgen.backends.torch.heard import DRAFT_VOCABULARY, HeadRows, HeardModel, heads
 from assistgen.backends.torch.quantize import quantized_linear
+from assistgen.backends.torch.timing import clock
 from assistgen.backends.torch.transforms import replace_module
 
 __all__ = ["DRAFT_VOCABULARY", "SAMPLE_RATE", "WINDOW_S", "Encoded", "HeardModel", "SpeechModel", "load_speech"]
@@ -56,6 +57,7 @@ class SpeechModel:
     truncated_costs: dict = field(default_factory=dict, repr=False)  # {layers: the costs of its first layers}
     exit_layer: int | None = None  # the early-exit layer its calibration chose (`speech.transcribe`), once
     agreement: dict = field(default_factory=dict, repr=False)  # {scheme: how often its copy for drafting agrees}
+    encoder_s_per_frame: float | None = None  # the encoder's time per mel frame, as last measured (`Encoded`)
     draft_heads: dict = field(default_factory=dict, repr=False)  # drafters' head rows (`draft_head`)
     quantization: str | None = None  # "int8" / "int4": a copy for drafting (`for_drafting`); None: as loaded
     drafting: dict = field(default_factory=dict, repr=False)  # {scheme: its copy for drafting}, made once
@@ -172,16 +174,32 @@ class Encoded:
         self.speech, self.features, self.frames = speech, features, frames
         self.cross: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
+    @property
+    def frames_read(self) -> int:
+        """The mel frames the encoder reads for this input."""
+        whole = self.features.shape[-1]
+        return whole if self.frames is None else min(whole, self.frames)
+
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """[(keys, values) [1, heads, frames, d_h]] for every decoder layer."""
+        """[(keys, values) [1, heads, frames, d_h]] for every decoder layer (the encoder's time per frame kept on
+        the model: `pending_s` prices the next input's)."""
         if self.cross is None:
             hf = self.speech.hf
+            start = clock(model_device(hf))
             with torch.inference_mode():
                 encoded = encode(hf.model.encoder, self.features, self.frames)  # [1, frames / 2, d]
                 self.cross = [(heads(layer.encoder_attn.k_proj(encoded), layer.encoder_attn.num_heads),
                                heads(layer.encoder_attn.v_proj(encoded), layer.encoder_attn.num_heads))
                               for layer in hf.model.decoder.layers]
+            self.speech.encoder_s_per_frame = (clock(model_device(hf)) - start) / self.frames_read
         return self.cross
+
+    def pending_s(self) -> float:
+        """The seconds encoding this input still costs: 0.0 once encoded, or before the model's encoder was ever
+        timed."""
+        if self.cross is not None or self.speech.encoder_s_per_frame is None:
+            return 0.0
+        return self.speech.encoder_s_per_frame * self.frames_read
 
 
 def encode(encoder, features: torch.Tensor, frames: int | None) -> torch.Tensor:
