@@ -475,7 +475,8 @@ def test_passes_slower_than_measured_flatten_the_curve_and_lengthen_the_drafts()
 def test_an_offloaded_target_prices_a_resident_assistant_by_measured_step_times():
     """A target whose weights stream from their file (offloaded) takes 1.2 s a pass whatever its size; an assistant
     of 45 % of its weight bytes, resident, takes 0.03 s: its prior cost is their measured step times' ratio, not the
-    bytes' share, and with it the assistant drafts from the first step. Without offloading the bytes' share stays."""
+    bytes' share, and with it the assistant drafts from the first step. The bytes' share stays for a target whose
+    steps were never timed."""
     from types import SimpleNamespace
 
     from assistgen.policy.adaptive import cost_hint
@@ -491,7 +492,9 @@ def test_an_offloaded_target_prices_a_resident_assistant_by_measured_step_times(
     streamed = SimpleNamespace(weight_bytes=1000, costs=measured(1.2, 0.02), capabilities=Capabilities(offloaded=True))
     resident = SimpleNamespace(weight_bytes=1000, costs=measured(0.1, 0.75), capabilities=Capabilities())
     assert cost_hint(drafter, streamed) == pytest.approx(0.025)
-    assert cost_hint(drafter, resident) == pytest.approx(0.45)
+    assert cost_hint(drafter, resident) == pytest.approx(0.3)  # measured: what its passes take
+    unmeasured = SimpleNamespace(weight_bytes=1000, costs=None, capabilities=Capabilities())
+    assert cost_hint(drafter, unmeasured) == pytest.approx(0.45)  # else its share of the weight bytes
     run = Adaptive().prepare(streamed, [drafter], prompt_length=600, budget=32)
     assert run.next_k(drafter) >= 1  # drafts at once: its catch-up on the prompt is cheap against a streamed pass
     assert Adaptive().prepare(resident, [drafter], prompt_length=600, budget=32).next_k(drafter) == 0  # catch-up

@@ -92,6 +92,19 @@ def test_the_self_draft_starts_from_its_measured_agreement(whisper_base, clip):
     assert run.estimate(drafter.name).estimate()[0] == pytest.approx(measured)  # the policy starts from it
 
 
+def test_a_draft_ends_at_the_end_token(whisper_base, clip):
+    from assistgen.config import GenerationConfig
+    from assistgen.spec.sampling import Sampler
+    from assistgen.speech.transcribe import self_drafter
+
+    plain = transcribe(whisper_base, clip, language="en").windows[0]
+    heard = whisper_base.listen(whisper_base.features(read_audio(clip)), begin=len(plain.prompt_ids))
+    draft = self_drafter(heard, "int8").propose(plain.prompt_ids + plain.token_ids[:-3], 16,
+                                                 Sampler(GenerationConfig()))
+    assert draft.tokens[-1] == whisper_base.generation.eos_token_id  # the transcript's end, drafted
+    assert len(draft.tokens) <= 3  # and nothing after it: it would never be emitted
+
+
 def test_an_assistants_encoder_is_priced_before_it_runs(whisper_base, whisper_tiny_en, clip):
     from assistgen.speech.transcribe import assistant_drafter, expected_tokens
 

@@ -3,7 +3,8 @@
 Contract: `AssistantDrafter(assistant, target)` drafts token by token with the assistant's own cache
 (`LanguageModel.new_cache`; any backend): before each proposal the cache is cropped to the prefix it
 shares with the sequence and fed what it has not seen (after a full acceptance the last draft token and
-the bonus token, after a rejection the recovered token). Its q rows are the assistant's processed
+the bonus token, after a rejection the recovered token). A draft ends after an end token of the target's: nothing
+after it is ever emitted. Its q rows are the assistant's processed
 distributions, fitted to the target's logits width (`fit_vocab`). `acceptance_prior`, when given, is the
 acceptance the policy starts from (`agreement` measures one: how often the assistant's argmax is the
 target's over a teacher-forced text). `same_tokenizer` says whether two models' tokenizers map every token
@@ -33,6 +34,7 @@ class AssistantDrafter(Drafter):
         self.cache = assistant.new_cache()
         self.vocab_size = target.vocab_size
         self.context_length = assistant.context_length
+        self.ends = frozenset(target.eos_token_ids)
 
     def propose(self, ids: list[int], k: int, sampler: Sampler, min_confidence: float = 0.0) -> Draft:
         pending = self.cache.sync(ids)
@@ -54,6 +56,8 @@ class AssistantDrafter(Drafter):
                     rows.pop()
                 break
             draft.tokens.append(token)
+            if token in self.ends:  # (a stop that depends only on tokens already drawn: sampling stays exact)
+                break
             pending = [token]
         if rows:
             draft.probs = torch.stack(rows)  # [n, vocab]

@@ -255,6 +255,7 @@ class UniversalDrafter(Drafter):
         self.bridge = TextBridge(target.tokenizer, assistant.tokenizer, look_behind)
         self.context = AssistantContext(self.bridge, prefix=prefix)  # prefix: see AssistantContext
         self.context_length = assistant.context_length
+        self.ends = frozenset(assistant.eos_token_ids)
         self.target_vocab = target.vocab_size
         self.target_device = target.device  # q rows are made where the target's p is
         self._intersection: VocabIntersection | None = None
@@ -286,6 +287,8 @@ class UniversalDrafter(Drafter):
             if min_confidence > 0 and float(torch.softmax(logits, -1)[token]) < min_confidence:
                 break
             drafted.append(token)
+            if token in self.ends:  # the assistant ended its text: nothing after it is emitted
+                break
             pending = [token]
         tokens = self.bridge.to_target(ids, self.bridge.draft_text(context, drafted))[:k]
         return Draft(tokens=tokens, forward_passes=passes)

@@ -304,11 +304,11 @@ def prior_cost(drafter: Drafter, target: LanguageModel | None, drafter_cost_prio
 
 
 def cost_hint(drafter: Drafter, target: LanguageModel) -> float:
-    """A model drafter's cost per token before it is measured: its model's share of the target's weight bytes, or,
-    for a target whose weights are offloaded (`capabilities`: its passes take the time of reading them from their file,
-    which a resident drafter does not pay), its measured plain-step time over the target's where both were measured."""
-    if target.capabilities.offloaded:
-        mine, theirs = plain_seconds(drafter.model.costs), plain_seconds(target.costs)
-        if mine and theirs:
-            return mine / theirs
+    """A model drafter's cost per token before it is measured: its measured plain-step time over the target's where
+    both were measured (the machine's cost records: what the passes take, whatever dominates them: reading weights,
+    streaming them from their file for an offloaded target, or the per-operation time of a small model), else its
+    model's share of the target's weight bytes."""
+    mine, theirs = plain_seconds(drafter.model.costs), plain_seconds(target.costs)
+    if mine and theirs:
+        return mine / theirs
     return drafter.model.weight_bytes / max(1, target.weight_bytes)

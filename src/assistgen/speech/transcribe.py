@@ -4,20 +4,20 @@ Contract: `transcribe(model, audio, ...)` reads the audio (`audio.read_audio`), 
 at most 30 s, and for each one runs the encoder once (`SpeechModel.listen`) and the generation loop (`api.generate`)
 on the decoder conditioned on it, with the drafters asked for: prompt lookup, the n-gram cache, early exit (the
 target's own first decoder layers, on the same encoder output), the self-draft (the target's own decoder in
-quantized weights, on the same encoder output; the policy starts from its agreement with the target, measured once
-per model on the calibration text), or an assistant Whisper (its own encoder on the same window's audio, run at its
-first draft and only over the audio itself and a second after it; another tokenizer switches to universal mode, the
-assistant starting from its own decoder prompt). A drafting model runs in `draft_weights` (default: int8 on the CPU,
-`SpeechModel.for_drafting`); they change how many drafts are accepted, never the output. The policy prices one-off
-costs (an assistant's encoder) against the transcript's expected length (`expected_tokens`, from the window's
-duration). The decoder prompt is transformers' short-form one (`SpeechModel.decoder_prompt`: the `prompt` text as
-earlier context, its last tokens only, half the decoder's context less one, as Whisper keeps them; the language, the
-task, no timestamps); a multilingual model given no language detects it from the first window as `generate()` does
-(the most likely language token after <|startoftranscript|>). Each later window gets the text of the one before as
-its earlier context. Greedy output per window is the target's own (what `generate()` gives on the same features and
-decoder prompt); sampling follows its distribution; `logprobs=True` keeps each generated token's log-probability
-(the target's). Names of speech models are resolved once per process (`as_speech_model`). Bad input raises
-`ConfigError` or `AudioError` naming the fix.
+quantized weights, on the same encoder output; the policy starts from its agreement with the target and its pass
+time, measured once per model on the calibration text), or an assistant Whisper (its own encoder on the same
+window's audio, run at its first draft and only over the audio itself and a second after it; another tokenizer
+switches to universal mode, the assistant starting from its own decoder prompt). A drafting model runs in
+`draft_weights` (default: int8 on the CPU, `SpeechModel.for_drafting`); they change how many drafts are accepted,
+never the output. The policy prices one-off costs (an assistant's encoder) against the transcript's expected length
+(`expected_tokens`, from the window's duration). The decoder prompt is transformers' short-form one
+(`SpeechModel.decoder_prompt`: the `prompt` text as earlier context, its last tokens only, half the decoder's
+context less one, as Whisper keeps them; the language, the task, no timestamps); a multilingual model given no
+language detects it from the first window as `generate()` does (the most likely language token after
+<|startoftranscript|>). Each later window gets the text of the one before as its earlier context. Greedy output per
+window is the target's own (what `generate()` gives on the same features and decoder prompt); sampling follows its
+distribution; `logprobs=True` keeps each generated token's log-probability (the target's). Names of speech models
+are resolved once per process (`as_speech_model`). Bad input raises `ConfigError` or `AudioError` naming the fix.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from assistgen.config import ConfigError
 from assistgen.drafters.assistant import AssistantDrafter, agreement
 from assistgen.drafters.early_exit import calibrate_exit_layer
 from assistgen.drafters.universal import UniversalDrafter
+from assistgen.policy.costs import pass_costs
 from assistgen.speech.audio import read_audio
 from assistgen.stats import Stats
 
@@ -182,6 +183,7 @@ def self_drafter(target: HeardModel, scheme: str | None) -> AssistantDrafter:
         speech.agreement[scheme] = agreement(replace(target, begin=len(heard_prompt(speech))),
                                              replace(heard, begin=len(heard_prompt(speech))), ids,
                                              positions=len(ids) - len(heard_prompt(speech)))
+        pass_costs(heard)  # its passes timed once (kept on disk): the policy's prior for its cost per token
     return AssistantDrafter(heard, target, acceptance_prior=speech.agreement[scheme])
 
 
