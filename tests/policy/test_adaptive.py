@@ -583,3 +583,17 @@ def test_a_positions_first_observation_starts_from_what_was_estimated_for_it():
     assert before[1] == before[0] > 0.95  # the second position is taken from the first
     acceptance.record(verified=2, accepted=2)  # the second position verified for the first time: right
     assert acceptance.estimate()[1] >= before[1]  # an accepted token never lowers its position's estimate
+
+
+def test_unverified_draft_tokens_are_checked_against_the_tokens_the_target_emits_next():
+    """Lookup's drafts start right and then go wrong: the steps that follow tell, for free, that its second position
+    is wrong, so a draft is not verified past its first token on the first position's record alone."""
+    curve = [1.0 + 0.5 * k for k in range(17)]  # every verified row costs half a step
+    wrong, right = (Adaptive(curve=curve).prepare(None, [Cheap()]) for _ in range(2))
+    for t in range(10, 30):  # the target emits 10, 11, 12, ...; nothing is verified
+        wrong.update(step([t, 999, 999], "lookup", 0, 0, token=t))
+        right.update(step([t, t + 1, t + 2], "lookup", 0, 0, token=t))
+    assert wrong.estimate("lookup").estimate()[0] > 0.9 and wrong.estimate("lookup").estimate()[1] < 0.2
+    assert min(right.estimate("lookup").estimate()[:3]) > 0.9  # learned at each position it was checked
+    assert verified(wrong, Draft([5] * 16, source="lookup"), "lookup") == 1  # its first token only
+    assert verified(right, Draft([5] * 16, source="lookup"), "lookup") >= 3

@@ -39,8 +39,9 @@ class Adaptive:
 
     Drafters cheaper than `free_cost` target steps per token (prompt lookup, the n-gram cache) are
     asked for `max_k` tokens and the loop verifies the best length of the draft for its source (`rates`);
-    their unverified tokens are still checked against the token the target emits, so their estimate
-    keeps learning while speculation is off. Costlier drafters are asked for the best k directly and their
+    their unverified tokens are still checked against the tokens the target emits next, in this step and the
+    following ones (`AdaptiveRun.check_unverified`), so their estimate keeps learning, at every position, while
+    speculation is off. Costlier drafters are asked for the best k directly and their
     draft is verified whole; while that k is 0 they are probed with k = 1 now and then, spending at most
     `probe_share` of the time, so drafting comes back when the text becomes predictable. A costly drafter
     must first read the tokens it has not seen (at its first use, the whole prompt): it is switched on only
@@ -113,6 +114,9 @@ class AdaptiveRun:
         self.length = prompt_length  # current sequence length
         self.end = None if budget is None else prompt_length + budget  # the length at which the generation stops
         self.probes = 0
+        # Each draft source's unverified draft tokens still being checked against what the target emits next:
+        # {source: (drafter name, the tokens, the draft position of the first)} (`check_unverified`)
+        self.unverified: dict[str, tuple[str, list[int], int]] = {}
         self.drafted_last: set[str] = set()  # the drafters that drafted in the last step (no catch-up since)
         self.drafted_before: set[str] = set()  # and in the step before it
         self.timed: set[str] = set()  # drafters whose cost per token has been measured (not a prior any more)
@@ -243,6 +247,7 @@ class AdaptiveRun:
         self.length += outcome.accepted + 1
         if self.alternatives is not None:
             self.alternatives.count(outcome)
+        self.check_unverified([*outcome.draft.tokens[: outcome.accepted], outcome.token])
         if outcome.drafter and outcome.draft.tokens:
             self.learn(outcome)
         if self.measure:
@@ -260,10 +265,31 @@ class AdaptiveRun:
         unverified = outcome.draft.tokens[outcome.verified :]
         for acceptance in estimates:  # the source's own, and its drafter's pooled one
             acceptance.record(outcome.verified, outcome.accepted)
-            if outcome.accepted == outcome.verified and unverified and outcome.draft.probs is None:
-                # The target's own next token tells, for free, whether the next draft token would have been accepted
-                # (greedy: exactly; sampling: with probability p(token), the one-hot acceptance probability).
-                acceptance.observe(outcome.verified, outcome.token == unverified[0])
+        if outcome.accepted == outcome.verified and unverified and outcome.draft.probs is None:
+            # The target's own next token tells, for free, whether the next draft token would have been accepted
+            # (greedy: exactly; sampling: with probability p(token), the one-hot acceptance probability); the tokens
+            # it emits in the next steps tell the same of the draft tokens after it.
+            self.unverified[source] = (outcome.drafter, list(unverified), outcome.verified)
+            self.check_unverified([outcome.token], source)
+
+    def check_unverified(self, emitted: list[int], only: str | None = None) -> None:
+        """Compare the draft tokens left unverified (each source's last ones, or `only`'s) with the tokens the target
+        emitted, in order: each one observed at its draft position as if it had been verified (kept while they
+        agree: a position's rate is conditional on the ones before it), until one differs or they run out."""
+        for source in [only] if only is not None else list(self.unverified):
+            drafter, tokens, position = self.unverified.pop(source)
+            estimates = [self.estimate(source, drafter)] + ([self.estimate(drafter)] if source != drafter else [])
+            agreed = 0
+            while agreed < min(len(tokens), len(emitted)):
+                same = tokens[agreed] == emitted[agreed]
+                for acceptance in estimates:
+                    acceptance.observe(position + agreed, same)
+                if not same:
+                    break
+                agreed += 1
+            else:
+                if agreed < len(tokens):  # all agreed so far: the rest is checked against the next steps' tokens
+                    self.unverified[source] = (drafter, tokens[agreed:], position + agreed)
 
     def measure_step(self, outcome: StepOutcome) -> None:
         """Follow the passes' time and the drafter's cost per token from this step's timings (greedy only)."""
