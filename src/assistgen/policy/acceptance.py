@@ -4,12 +4,14 @@ Contract: `Acceptance(prior, weight, size)` holds one rate per draft position (0
 `start` (default: `prior`) worth `prior_weight` observations, then an exponential moving average at `weight`;
 `record(verified, accepted)` learns one step (positions 0..accepted-1 kept, position `accepted` rejected when it
 was verified); `estimate()` gives the rates with never-observed positions taken from the one before (at least
-`unseen_floor`): the rates `gain.py` optimizes over. A position's first observation updates that estimate (not
+`unseen_floor`; the first at most its rate less `caution` standard deviations): the rates `gain.py` optimizes
+over. A position's first observation updates that estimate (not
 the prior), so an accepted token never lowers the rate estimated for its position.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -23,6 +25,10 @@ class Acceptance:
     start: list[float] | None = None  # per-position rates assumed before any observation (default: prior)
     unseen_floor: float = 0.0  # a never-observed position is assumed at least this likely to be accepted
     prior_weight: float = 1.0  # the starting rates count as this many observations
+    # Standard deviations of its estimate taken off the first position's rate (a binomial rate's, from its observation
+    # count): the first position gates every later one, so a long draft verified on a rate seen once or twice is a
+    # bet on little evidence; the margin shrinks as observations come in. 0: the rate as estimated.
+    caution: float = 0.0
     rates: list[float] = field(init=False)
     seen: list[int] = field(init=False)
 
@@ -48,9 +54,13 @@ class Acceptance:
         if accepted < verified:
             self.observe(accepted, False)
 
-    def estimate(self) -> list[float]:
-        """Rates with never-observed positions taken from the position before them (at least `unseen_floor`)."""
+    def estimate(self, cautious: bool = True) -> list[float]:
+        """Rates with never-observed positions taken from the position before them (at least `unseen_floor`), the
+        first less `caution` standard deviations (`cautious`; else as estimated)."""
         out = list(self.rates)
+        if cautious and self.caution and out:  # (the count: its observations, the start's weight and one more)
+            rate, count = out[0], self.seen[0] + self.prior_weight + 1.0
+            out[0] = max(0.0, rate - self.caution * math.sqrt(rate * (1.0 - rate) / count))
         for i in range(1, len(out)):
             if self.seen[i] == 0:
                 out[i] = max(out[i - 1], self.unseen_floor)

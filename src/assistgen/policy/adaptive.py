@@ -60,6 +60,10 @@ class Adaptive:
     # instead of growing them one position per step (docs/benchmarks.md: chosen by replaying recorded outputs with
     # benchmarks/lookup_ceiling.py); model drafters, whose every drafted token costs, keep the plain estimate.
     unseen_floor: float = 0.7
+    # For free drafters, the first position's rate less this many standard deviations of its estimate (few
+    # observations: a small margin against verifying a long draft on one lucky token; their later positions are
+    # learned for free from the tokens the target emits, so the margin shrinks quickly where drafts are right).
+    caution: float = 1.0
     probe_share: float = 0.01  # at most this share of time probes a drafter that is switched off
     free_cost: float = 0.02  # drafters cheaper than this per token are trimmed after proposing
     cost_weight: float = 0.2  # EMA weight of a new timing (drafter cost, plain-step time; greedy runs only)
@@ -145,10 +149,10 @@ class AdaptiveRun:
         if source not in self.acceptance:
             s = self.settings
             pooled = self.acceptance.get(drafter_name) if drafter_name and drafter_name != source else None
-            start = pooled.estimate() if pooled is not None else None
+            start = pooled.estimate(cautious=False) if pooled is not None else None
             free = self.is_free(drafter_name or source)
             self.acceptance[source] = Acceptance(s.prior, s.weight, s.max_k + 1, start,
-                                                 s.unseen_floor if free else 0.0)
+                                                 s.unseen_floor if free else 0.0, caution=s.caution if free else 0.0)
         return self.acceptance[source]
 
     @property

@@ -69,7 +69,7 @@ class AlternativesRun:
         """P(at least i of the draft's first `verified` tokens accepted), i = 1..verified, by the estimates."""
         if not draft.tokens or not verified:
             return []
-        return reach(self.run.estimate(draft.source or drafter_name, drafter_name).estimate(), verified)
+        return reach(self.run.estimate(draft.source or drafter_name, drafter_name).estimate(cautious=False), verified)
 
     def k(self, drafter: Drafter, best: list[float], plan: StepPricing, room: int, chosen: int) -> int:
         """How many tokens to ask `drafter` for as an alternative to the sequence's drafts (`chosen` alternatives
@@ -81,7 +81,7 @@ class AlternativesRun:
         c = run.drafter_cost.get(drafter.name, 0.0)
         if drafter.name not in run.timed:
             c /= run.slowdown()
-        rates = run.estimate(drafter.name).estimate()
+        rates = run.estimate(drafter.name).estimate(cautious=False)
         return self.best(rates, best, 0, min(room, run.k_max()), plan, c)
 
     def length(self, draft: Draft, drafter_name: str, best: list[float], shared: int, plan: StepPricing) -> int:
@@ -89,7 +89,7 @@ class AlternativesRun:
         verified) to verify beside the others, now that it is drafted (0: none pays)."""
         if not self.on() or not draft.tokens:
             return 0
-        rates = self.run.estimate(draft.source or drafter_name, drafter_name).estimate()
+        rates = self.run.estimate(draft.source or drafter_name, drafter_name).estimate(cautious=False)
         return self.best(rates, best, shared, len(draft.tokens), plan, 0.0)
 
     @staticmethod
