@@ -10,6 +10,7 @@ and encoder included. Every assistgen method's tokens are checked equal to plain
 to transformers' generate(). Prints one table and one JSON line.
 
     PYTHONPATH=src python benchmarks/speech.py [--repeat 3] [--methods plain,lookup,...] [--out-dir build/speech]
+        [--set sentences|paragraphs]
 """
 
 from __future__ import annotations
@@ -41,6 +42,22 @@ SENTENCES = [
     "A small model proposes tokens and the large model checks them in one forward pass.",
     "Thank you for calling. Thank you for waiting. Thank you for your patience.",
 ]
+# Paragraphs of 15-25 s (`--set paragraphs`): one window nearly full, as most of a long recording's windows are.
+PARAGRAPHS = [
+    "Speculative decoding makes text generation faster without changing what the model says. A small model proposes "
+    "tokens and the large model checks them in one forward pass. Every token the large model agrees with is kept, "
+    "and the first one it disagrees with is replaced by its own choice.",
+    "Once upon a time there was a little village at the foot of a mountain. Every morning the baker opened his shop "
+    "and sold fresh bread to the people of the village. The children walked to school along the river, and in the "
+    "evening they played in the fields until the sun went down.",
+    "The weather service expects heavy rain in the north on Tuesday, with strong winds along the coast. In the south "
+    "the days will stay dry and warm, and temperatures will reach twenty five degrees by the weekend. Drivers should "
+    "take care on the mountain roads, where fog is likely in the early morning.",
+    "To reset your password, open the settings page and choose the security tab. Enter your current password, then "
+    "type the new one twice and press save. If you have forgotten your current password, use the link on the sign in "
+    "page, and we will send a code to the email address on your account.",
+]
+SETS = {"sentences": SENTENCES, "paragraphs": PARAGRAPHS}
 METHODS = {
     "plain": {},
     "lookup": {"lookup": True},
@@ -55,10 +72,10 @@ METHODS = {
 }
 
 
-def synthesize(out_dir: Path) -> list[tuple[str, Path]]:
+def synthesize(out_dir: Path, texts: list[str]) -> list[tuple[str, Path]]:
     out_dir.mkdir(parents=True, exist_ok=True)
     clips = []
-    for i, text in enumerate(SENTENCES):
+    for i, text in enumerate(texts):
         path = out_dir / f"clip-{i:02d}.wav"
         if not path.is_file():
             subprocess.run(["espeak-ng", "-w", str(path), text], check=True, capture_output=True)
@@ -86,6 +103,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--out-dir", default="build/speech")
+    parser.add_argument("--set", choices=list(SETS), default="sentences",
+                        help="the sentences (4-8 s each) or the paragraphs (15-25 s each)")
     parser.add_argument("--no-transformers", action="store_true", help="leave transformers' generate() out")
     args = parser.parse_args()
     methods = [m.strip() for m in args.methods.split(",")]
@@ -95,7 +114,7 @@ def main() -> None:
     import jiwer
 
     speech, tiny = as_speech_model("whisper-base"), as_speech_model("whisper-tiny-en")
-    clips = synthesize(Path(args.out_dir))
+    clips = synthesize(Path(args.out_dir) / args.set if args.set != "sentences" else Path(args.out_dir), SETS[args.set])
     rows = {m: {"decoder_s": 0.0, "end_to_end_s": 0.0, "hyp": [], "same": 0, "drafted": 0, "accepted": 0}
             for m in methods}
     hf_rows = {"transformers plain": {"end_to_end_s": 0.0, "same": 0, "hyp": []},
@@ -149,7 +168,7 @@ def main() -> None:
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     n = len(clips)
     base = rows.get("plain")
-    print(f"{len(clips)} clips, {args.repeat} runs each (best kept); Whisper base, greedy, English")
+    print(f"{len(clips)} clips ({args.set}), {args.repeat} runs each (best kept); Whisper base, greedy, English")
     print(f"{'method':<40}{'WER':>7}{'decoder s':>11}{'vs plain':>10}{'end-to-end s':>14}{'vs plain':>10}"
           f"{'same as plain':>15}{'accepted':>14}")
     report = {}
@@ -174,7 +193,7 @@ def main() -> None:
         print(f"{m:<40}{wer:7.3f}{'':>11}{'':>10}{row['end_to_end_s']:14.3f}{e2e:9.2f}x{row['same']:>10}/{n}")
         report[m] = {"wer": round(wer, 4), "end_to_end_s": round(row["end_to_end_s"], 4),
                      "end_to_end_speedup": round(e2e, 3), "same_as_plain": row["same"]}
-    print(json.dumps({"benchmark": "speech", "clips": n, "repeat": args.repeat, "methods": report}))
+    print(json.dumps({"benchmark": "speech", "set": args.set, "clips": n, "repeat": args.repeat, "methods": report}))
 
 
 if __name__ == "__main__":

@@ -109,10 +109,11 @@ def test_an_assistants_encoder_is_priced_before_it_runs(whisper_base, whisper_ti
     from assistgen.speech.transcribe import assistant_drafter, expected_tokens
 
     samples = read_audio(clip)
+    transcribe(whisper_base, clip, language="en", assistant=whisper_tiny_en, draft_weights="float",
+               schedule=Constant(k=2))  # tiny.en's encoder has run, and been timed, and its passes too
+    assert whisper_tiny_en.costs is not None
     heard = whisper_base.listen(whisper_base.features(samples), begin=4)
     drafter = assistant_drafter(heard, whisper_tiny_en, samples, "en")  # its encoder runs when it first drafts
-    transcribe(whisper_base, clip, language="en", assistant=whisper_tiny_en, draft_weights="float",
-               schedule=Constant(k=2))  # tiny.en's encoder has run, and been timed, once
     pending = drafter.model.startup_s
     assert 0 < pending == pytest.approx(whisper_tiny_en.encoder_s_per_frame * drafter.model.encoded.frames_read)
     assert drafter.model.encoded.frames_read == -(-samples.size // 160) + 100  # the audio and a second of padding

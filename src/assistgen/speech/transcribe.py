@@ -38,7 +38,7 @@ from assistgen.backends.torch.speech import (
     load_speech,
 )
 from assistgen.config import ConfigError
-from assistgen.drafters.assistant import AssistantDrafter, agreement
+from assistgen.drafters.assistant import AssistantDrafter, agreement, same_tokenizer
 from assistgen.drafters.early_exit import calibrate_exit_layer
 from assistgen.drafters.universal import UniversalDrafter
 from assistgen.policy.costs import pass_costs
@@ -189,13 +189,16 @@ def self_drafter(target: HeardModel, scheme: str | None) -> AssistantDrafter:
 
 def assistant_drafter(target: HeardModel, assistant: SpeechModel, window: np.ndarray, language: str | None):
     """The assistant Whisper on the same window (its copy for drafting, when `assistant` is one): same tokenizer, it
-    drafts token ids directly; another, in universal mode from its own decoder prompt."""
+    drafts token ids directly; another, in universal mode from its own decoder prompt. Its decoder's passes are timed
+    on its first window (`policy.costs.pass_costs`), so that the policy prices it by time, not by weight bytes."""
     own_language = language if assistant.multilingual else None
     prompt = assistant.decoder_prompt(own_language)
     frames = -(-len(window) // HOP) + TAIL_FRAMES  # the audio's own frames, and a second of the padding after it
     heard = assistant.listen(assistant.features(window), begin=len(prompt), draft_vocabulary=DRAFT_VOCABULARY,
                              lazy=True, frames=frames)  # its encoder runs only if the policy lets it draft
-    if assistant.tokenizer.get_vocab() == target.tokenizer.get_vocab():
+    if assistant.costs is None:  # its passes timed once per model (kept on disk; on this first window, the encoder
+        pass_costs(heard)  # runs for it): the policy's prior for its cost per token
+    if same_tokenizer(target, heard):
         return AssistantDrafter(heard, target)
     return UniversalDrafter(heard, target, prefix=prompt)
 
