@@ -163,10 +163,10 @@ def drafting_weights(speech: SpeechModel, draft_weights: str | None) -> str | No
     if draft_weights not in DRAFT_WEIGHTS:
         raise ConfigError(f"draft_weights must be one of {', '.join(map(str, DRAFT_WEIGHTS))}, got {draft_weights!r}.")
     if draft_weights == "auto":
-        return "int8" if speech.hf.device.type == "cpu" else None
-    if draft_weights in ("int8", "int4") and speech.hf.device.type != "cpu":
+        return "int8" if speech.device.type == "cpu" else None
+    if draft_weights in ("int8", "int4") and speech.device.type != "cpu":
         raise ConfigError(f"draft_weights={draft_weights!r} runs on the CPU only; {speech.name} is on "
-                          f"{speech.hf.device}: use draft_weights='float'.")
+                          f"{speech.device}: use draft_weights='float'.")
     return None if draft_weights == "float" else draft_weights
 
 

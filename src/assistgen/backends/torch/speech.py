@@ -84,6 +84,11 @@ class SpeechModel:
         return {code: LANGUAGES.get(code, code) for code in self.languages}
 
     @property
+    def device(self) -> torch.device:
+        """Where its weights are."""
+        return model_device(self.hf)
+
+    @property
     def context_length(self) -> int:
         """The decoder's positions (prompt and generated tokens together)."""
         return self.hf.config.max_target_positions
