@@ -609,3 +609,16 @@ def test_a_first_position_seen_once_is_priced_with_caution():
     assert once.estimate(cautious=False)[0] == pytest.approx(0.75)
     assert once.estimate()[0] == pytest.approx(0.75 - (0.75 * 0.25 / 3) ** 0.5)  # one sd off: 0.5
     assert often.estimate()[0] > 0.97  # the margin shrinks as observations come in
+
+
+def test_an_expected_length_prices_one_off_costs_and_bad_values_are_refused():
+    from assistgen.config import ConfigError, GenerationConfig
+
+    assert GenerationConfig(max_new_tokens=444, expected_new_tokens=25).budget == 25
+    assert GenerationConfig(max_new_tokens=10, expected_new_tokens=25).budget == 10  # never past the limit
+    assert GenerationConfig(max_new_tokens=444).budget == 444
+    for bad in (0, -3, 2.5, True, "25"):
+        with pytest.raises(ConfigError, match="expected_new_tokens must be None or an integer >= 1"):
+            GenerationConfig(expected_new_tokens=bad).validate()
+    with pytest.raises(ValueError, match="caution >= 0"):
+        Adaptive(caution=-1.0)

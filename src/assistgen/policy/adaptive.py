@@ -86,6 +86,8 @@ class Adaptive:
         if not 0.0 < self.weight <= 1.0 or not 0.0 <= self.prior <= 1.0 or not 0.0 <= self.unseen_floor <= 1.0:
             raise ValueError(f"need 0 < weight <= 1 and 0 <= prior, unseen_floor <= 1, got {self.weight}, "
                              f"{self.prior}, {self.unseen_floor}")
+        if self.caution < 0:
+            raise ValueError(f"need caution >= 0 (standard deviations; 0: none), got {self.caution}")
         if not 0.0 < self.cost_weight <= 1.0:
             raise ValueError(f"need 0 < cost_weight <= 1, got {self.cost_weight}")
         if self.costs is not None:

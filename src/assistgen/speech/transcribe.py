@@ -179,10 +179,9 @@ def self_drafter(target: HeardModel, scheme: str | None) -> AssistantDrafter:
     speech, copy = target.speech, target.speech.for_drafting(scheme)
     heard = HeardModel(copy, target.encoded, target.begin, draft_vocabulary=DRAFT_VOCABULARY)
     if scheme not in speech.agreement:  # once per model: on its first input, over the calibration text
-        ids = calibration_ids(speech)
-        speech.agreement[scheme] = agreement(replace(target, begin=len(heard_prompt(speech))),
-                                             replace(heard, begin=len(heard_prompt(speech))), ids,
-                                             positions=len(ids) - len(heard_prompt(speech)))
+        ids, begin = calibration_ids(speech), len(heard_prompt(speech))
+        speech.agreement[scheme] = agreement(replace(target, begin=begin), replace(heard, begin=begin), ids,
+                                             positions=len(ids) - begin)
         pass_costs(heard)  # its passes timed once (kept on disk): the policy's prior for its cost per token
     return AssistantDrafter(heard, target, acceptance_prior=speech.agreement[scheme])
 
