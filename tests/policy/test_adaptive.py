@@ -210,6 +210,18 @@ def test_a_drafter_whose_model_must_first_encode_starts_only_when_that_pays():
     assert first_k(0.0, 12) > 0  # nothing to encode: drafting pays at once
 
 
+def test_a_measured_agreement_is_not_undone_by_one_rejection():
+    # The self-draft's agreement (0.9, measured over a text) is a window of observations: one early rejection moves it
+    # as much as any later one (the moving average's weight), and drafting stays on at c = 0.45 with cheap rows.
+    settings = Adaptive(curve=[1.0 + 0.05 * k for k in range(17)], drafter_cost_prior=0.45)
+    policy = settings.prepare(None, [Encoding(0.0)], prompt_length=4, budget=100)
+    k = policy.next_k(Encoding(0.0))
+    assert k > 0
+    policy.update(step([7] * k, "assistant", k, 0, token=4))  # its first draft: rejected at once
+    assert policy.estimate("assistant").rates[0] == pytest.approx(0.9 - settings.weight * 0.9)
+    assert policy.next_k(Encoding(0.0)) > 0
+
+
 def test_a_drafter_that_drafted_last_step_pays_no_catch_up():
     settings = Adaptive(curve=[1.0 + 0.02 * k for k in range(17)], drafter_cost_prior=0.2)
     policy = settings.prepare(None, [Costly()], prompt_length=20, budget=64)

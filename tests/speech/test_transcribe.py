@@ -69,9 +69,12 @@ def test_the_self_draft_runs_the_quantized_decoder_and_is_accepted(whisper_base,
     out = transcribe(whisper_base, clip, language="en", self_draft=True, draft_weights=scheme, schedule=Constant(k=3))
     copy = whisper_base.drafting[scheme]
     layers = copy.hf.model.decoder.layers
-    assert all(isinstance(layer.fc1, QuantizedLinear) and isinstance(layer.self_attn.q_proj, QuantizedLinear)
-               for layer in layers)  # the drafts came from quantized weights
+    assert all(isinstance(layer.fc1, QuantizedLinear) and isinstance(layer.self_attn.qkv, QuantizedLinear)
+               and layer.self_attn.q_proj is None for layer in layers)  # the drafts came from quantized weights
+    # (query, key and value in one product, the attention's scale folded into the query's weights)
+    assert all(layer.self_attn.scaling == layer.encoder_attn.scaling == 1.0 for layer in layers)
     assert not any(isinstance(m, QuantizedLinear) for m in whisper_base.hf.modules())  # the target's are untouched
+    assert whisper_base.hf.model.decoder.layers[0].self_attn.scaling == 64 ** -0.5
     assert copy.hf.model.encoder.layers[0].fc1.weight is whisper_base.hf.model.encoder.layers[0].fc1.weight  # shared
     assert out.stats.accepted_tokens >= 0.8 * out.stats.drafted_tokens > 0  # its own decoder: it agrees
 
@@ -182,3 +185,16 @@ def test_bad_audio_names_the_problem(whisper_base, data, words):
 def test_audio_over_the_limit_is_refused(whisper_base, clip):
     with pytest.raises(AudioError, match="over the limit of 2 s"):
         transcribe(whisper_base, clip, max_seconds=2)
+
+
+def test_the_decoders_linear_routes_are_tuned_per_row_count(whisper_base):
+    from assistgen.backends.torch.transforms import SmallRowsLinear, applied_routes
+
+    record = whisper_base.routes  # measured on this machine over a second of silence (or remembered from disk)
+    assert record is not None and applied_routes(whisper_base.hf) == record["routes"]
+    times = record["step_seconds"]
+    for n in range(1, len(times["mkl"]) + 1):  # each row count on the route that measured fastest for it
+        fastest = min(times, key=lambda route: times[route][n - 1])
+        assert record["routes"][n] == fastest or times[record["routes"][n]][n - 1] == times[fastest][n - 1]
+    head = whisper_base.hf.get_output_embeddings()
+    assert isinstance(head, SmallRowsLinear) and head.routes == record["routes"]

@@ -141,9 +141,11 @@ class AdaptiveRun:
             self.alternatives = AlternativesRun(self)
         for drafter in drafters:
             self.drafter_cost.setdefault(drafter.name, prior_cost(drafter, target, settings.drafter_cost_prior))
-            if drafter.acceptance_prior is not None and drafter.name not in self.acceptance:  # early exit's agreement
+            if drafter.acceptance_prior is not None and drafter.name not in self.acceptance:  # a measured agreement
+                # (early exit's, the self-draft's) counts as a full window of the moving average's observations: one
+                # rejection then moves it as much as any later one does, not halfway to 0
                 self.acceptance[drafter.name] = Acceptance(float(drafter.acceptance_prior), settings.weight,
-                                                           settings.max_k + 1)
+                                                           settings.max_k + 1, prior_weight=1.0 / settings.weight)
 
     def estimate(self, source: str, drafter_name: str = "") -> Acceptance:
         """The estimate for a draft source (e.g. "lookup:3"); a new source of a drafter that has

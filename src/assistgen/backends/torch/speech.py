@@ -39,9 +39,7 @@ __all__ = ["DRAFT_VOCABULARY", "SAMPLE_RATE", "WINDOW_S", "Encoded", "HeardModel
 
 SAMPLE_RATE = 16000
 WINDOW_S = 30  # one encoder window
-# A decoder layer's linears that run once per token (`SpeechModel.for_drafting` quantizes these)
-PER_TOKEN_LAYERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj",
-                    "encoder_attn.q_proj", "encoder_attn.out_proj", "fc1", "fc2")
+ROUTE_CONTEXT = 32  # the decoder positions before the passes route tuning times (a sentence's transcript)
 
 
 @dataclass(eq=False)
@@ -61,6 +59,7 @@ class SpeechModel:
     draft_heads: dict = field(default_factory=dict, repr=False)  # drafters' head rows (`draft_head`)
     quantization: str | None = None  # "int8" / "int4": a copy for drafting (`for_drafting`); None: as loaded
     drafting: dict = field(default_factory=dict, repr=False)  # {scheme: its copy for drafting}, made once
+    routes: dict | None = None  # the small-row linear routes' record (`transforms.tune_routes`), when applied
     backend = "torch"
 
     @property
@@ -114,18 +113,25 @@ class SpeechModel:
         return ids
 
     def optimize(self, mode: str = "auto") -> None:
-        """The CPU's small-row linear route (`transforms.small_rows_linear`, MKL's product of W with the rows'
-        transpose, one row padded to two) on every linear layer: a verification pass over a few rows then costs little
-        more than one row (PyTorch's own linear costs about twice as much for two rows as for one here). Prompts and
-        the encoder (more rows than the route takes) keep PyTorch's linear. transformers' `generate()` on this module
-        runs the same layers. Measured costs no longer hold and are dropped."""
-        from assistgen.backends.torch.transforms import small_rows_linear
+        """The CPU's small-row linear routes (`transforms.small_rows_linear`) on every linear layer, the route for
+        each row count tuned on this machine by timing the decoder on a second of silence (`transforms.tune_routes`:
+        MKL's product of W with the rows' transpose for one or two rows, oneDNN's packed weights where they measure
+        faster; remembered on disk): a verification pass over a few rows then costs little more than one row
+        (PyTorch's own linear costs about twice as much for two rows as for one here). Prompts and the encoder (more
+        rows than the routes take) keep PyTorch's linear. transformers' `generate()` on this module runs the same
+        layers. Measured costs no longer hold and are dropped."""
+        from assistgen.backends.torch.transforms import small_rows_linear, tune_routes
 
-        if model_device(self.hf).type == "cpu" and mode:
-            small_rows_linear(self.hf, mode="on" if mode == "on" else "auto", routes="mkl")
+        if model_device(self.hf).type == "cpu" and mode and \
+                small_rows_linear(self.hf, mode="on" if mode == "on" else "auto", routes="mkl"):
+            tune_routes(self, timed=self.silence, context=ROUTE_CONTEXT)
         self.costs = None
         self.truncated_costs.clear()
         self.agreement.clear()
+
+    def silence(self) -> HeardModel:
+        """The decoder conditioned on a second of silence (what route tuning times)."""
+        return self.listen(self.features(np.zeros(SAMPLE_RATE, dtype=np.float32)), begin=len(self.decoder_prompt()))
 
     def listen(self, features: torch.Tensor, begin: int, draft_vocabulary: int | None = None,
                lazy: bool = False, frames: int | None = None) -> HeardModel:
@@ -153,8 +159,8 @@ class SpeechModel:
 
     def for_drafting(self, scheme: str = "int8") -> SpeechModel:
         """A copy of this model whose decoder's per-token layers (self-attention, the cross-attention's query and
-        output, the feed-forward; and its drafters' head rows) hold `scheme` weights (`quantize.quantized_linear`,
-        CPU only): it drafts only, so its weights change its drafts' acceptance, never the output. Every other tensor
+        output, the feed-forward; and its drafters' head rows) hold `scheme` weights (`drafting_layer`; CPU only):
+        it drafts only, so its weights change its drafts' acceptance, never the output. Every other tensor
         (the encoder, the embeddings, the norms, the cross-attention's keys and values, which run once per window
         over many rows) is this model's own, shared, not copied. Made once per scheme."""
         if self.quantization is not None:
@@ -163,13 +169,32 @@ class SpeechModel:
             shared = {id(t): t for t in (*self.hf.parameters(), *self.hf.buffers())}
             hf = copy.deepcopy(self.hf, memo=shared)  # a new module tree over the same tensors
             for layer in hf.model.decoder.layers:
-                for name in PER_TOKEN_LAYERS:
-                    old = layer.get_submodule(name)
-                    replace_module(layer, name, quantized_linear(old.weight, old.bias, scheme))
+                drafting_layer(layer, scheme)
             self.drafting[scheme] = SpeechModel(hf, self.tokenizer, self.extractor, name=f"{self.name}:{scheme}",
                                                 cache_key=None if self.cache_key is None
                                                 else f"{self.cache_key}:{scheme}", quantization=scheme)
         return self.drafting[scheme]
+
+
+@torch.no_grad()
+def drafting_layer(layer, scheme: str) -> None:
+    """A decoder layer of a copy for drafting, in `scheme` weights (`quantize.quantized_linear`), in place: its
+    self-attention's query, key and value products fused into one (`qkv`), the attention scale folded into the query
+    weights of both attentions (their `scaling` then 1.0), the outputs and the feed-forward quantized."""
+    attn, cross = layer.self_attn, layer.encoder_attn
+
+    def bias(linear) -> torch.Tensor:
+        return linear.bias if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
+
+    weight = torch.cat([attn.q_proj.weight * attn.scaling, attn.k_proj.weight, attn.v_proj.weight])  # [3d, d]
+    fused = torch.cat([bias(attn.q_proj) * attn.scaling, bias(attn.k_proj), bias(attn.v_proj)])
+    attn.qkv = quantized_linear(weight, fused, scheme)
+    attn.q_proj = attn.k_proj = attn.v_proj = None
+    cross.q_proj = quantized_linear(cross.q_proj.weight * cross.scaling, bias(cross.q_proj) * cross.scaling, scheme)
+    attn.scaling = cross.scaling = 1.0
+    for name in ("self_attn.out_proj", "encoder_attn.out_proj", "fc1", "fc2"):
+        old = layer.get_submodule(name)
+        replace_module(layer, name, quantized_linear(old.weight, old.bias, scheme))
 
 
 class Encoded:

@@ -368,19 +368,22 @@ def routes_path(model):
     return measurement_file("routes", model.cache_key, key)
 
 
-def tune_routes(model, refresh: bool = False) -> dict | None:
+def tune_routes(model, refresh: bool = False, timed=None, context: int = 128) -> dict | None:
     """Give the transformed model's linears the fastest route (and padding) per row count: from the model's
     `routes` field, from disk, or measured now by timing the whole model on each route (and saved). Returns the
-    record, which `model.routes` keeps. CPU only: a model on another device raises `DeviceError`."""
+    record, which `model.routes` keeps. `timed`: the `LanguageModel` whose passes are timed (a callable making it,
+    called only when measuring; default the model itself), after `context` tokens. CPU only: a model on another
+    device raises `DeviceError`."""
     require_cpu(model_device(model.hf), CPU_ONLY, ON_GPU)
     if not is_applied(model.hf):
         return None
 
     def measure() -> dict:
         by_route = {}
+        subject = model if timed is None else timed()
         for route in routes_allowed(model):
             small_rows_linear(model.hf, mode="on", routes=route)
-            by_route[route] = step_times(model, repeats=2)
+            by_route[route] = step_times(subject, context=context, repeats=2)
         routes, padded = route_table(by_route)
         return {"model": model.name, "measured": time.strftime("%Y-%m-%d %H:%M"), "routes": routes,
                 "padded": padded, "step_seconds": {r: [round(t, 5) for t in ts] for r, ts in by_route.items()}}
