@@ -222,6 +222,31 @@ def test_a_measured_agreement_is_not_undone_by_one_rejection():
     assert policy.next_k(Encoding(0.0)) > 0
 
 
+class Timed:
+    """A model drafter whose model's passes were measured: two rows cost 1.5 of its one-row pass."""
+
+    name = "assistant"
+    acceptance_prior = 0.9
+    model = SimpleNamespace(startup_s=0.0, costs=SimpleNamespace(curve=(1.0, 1.5, 1.6)))
+
+
+def test_a_model_drafters_first_pass_is_priced_by_the_rows_it_feeds():
+    from dataclasses import replace
+
+    settings = Adaptive(curve=[1.0 + 0.02 * k for k in range(17)], drafter_cost_prior=0.3)
+    policy = settings.prepare(None, [Timed()], prompt_length=4, budget=400)
+    assert policy.first_pass_extra(Timed()) == 0.0  # it has not drafted: its catch-up is priced apart
+    k = policy.next_k(Timed())
+    policy.update(step([5] * k, "assistant", k, k, token=6))  # all kept: it must feed its last draft and the token
+    policy.next_k(Timed())
+    assert policy.first_pass_extra(Timed()) == pytest.approx(0.5)
+    # Its proposal of 3 tokens took 3 + 0.5 of its passes, each 0.3 of a plain step (0.05 s): c stays 0.3.
+    policy.update(replace(step([5] * 3, "assistant", 3, 1, token=6), draft_s=3.5 * 0.3 * 0.05))
+    assert policy.drafter_cost["assistant"] == pytest.approx(0.3, rel=0.02)
+    policy.next_k(Timed())
+    assert policy.first_pass_extra(Timed()) == 0.0  # a draft token was rejected: it feeds the target's token only
+
+
 def test_a_drafter_that_drafted_last_step_pays_no_catch_up():
     settings = Adaptive(curve=[1.0 + 0.02 * k for k in range(17)], drafter_cost_prior=0.2)
     policy = settings.prepare(None, [Costly()], prompt_length=20, budget=64)
@@ -634,3 +659,21 @@ def test_an_expected_length_prices_one_off_costs_and_bad_values_are_refused():
             GenerationConfig(expected_new_tokens=bad).validate()
     with pytest.raises(ValueError, match="caution >= 0"):
         Adaptive(caution=-1.0)
+
+
+def test_a_model_drafters_acceptance_is_one_rate_for_every_position():
+    from assistgen.policy.acceptance import Acceptance
+
+    pooled = Acceptance(0.9, 0.2, 8, prior_weight=5.0, pooled=True)
+    pooled.record(verified=4, accepted=1)  # the first token kept, the second rejected
+    rate = (0.9 + 0.2 * (1 - 0.9)) * 0.8
+    assert pooled.estimate() == pytest.approx([rate] * 8)  # the rejection at depth 2 lowers every depth alike
+    pooled.record(verified=1, accepted=1)  # and a one-token draft kept raises them all: depth 2 is not stuck
+    assert pooled.estimate()[1] > rate
+    per_position = Acceptance(0.9, 0.2, 8, prior_weight=5.0)
+    per_position.record(verified=4, accepted=1)
+    per_position.record(verified=1, accepted=1)
+    assert per_position.estimate()[1] == pytest.approx(rate)  # depth 2 keeps its one rejection (a free drafter)
+    # The policy pools a model drafter's positions, not a free drafter's.
+    policy = Adaptive(curve=[1.0 + 0.02 * k for k in range(17)], drafter_cost_prior=0.3).prepare(None, [Timed(), Cheap()])
+    assert policy.estimate("assistant").pooled and not policy.estimate("lookup", "lookup").pooled

@@ -3,7 +3,7 @@
 Contract: `Acceptance(prior, weight, size)` holds one rate per draft position (0..size-1), each starting at its
 `start` (default: `prior`) worth `prior_weight` observations, then an exponential moving average at `weight`;
 `record(verified, accepted)` learns one step (positions 0..accepted-1 kept, position `accepted` rejected when it
-was verified); `estimate()` gives the rates with never-observed positions taken from the one before (at least
+was verified; `pooled`: one rate for all positions, each observation updating it); `estimate()` gives the rates with never-observed positions taken from the one before (at least
 `unseen_floor`; the first at most its rate less `caution` standard deviations): the rates `gain.py` optimizes
 over. A position's first observation updates that estimate (not
 the prior), so an accepted token never lowers the rate estimated for its position.
@@ -29,6 +29,10 @@ class Acceptance:
     # count): the first position gates every later one, so a long draft verified on a rate seen once or twice is a
     # bet on little evidence; the margin shrinks as observations come in. 0: the rate as estimated.
     caution: float = 0.0
+    # One rate for every position: each observation, at whatever position, updates it (a model drafter: each of its
+    # tokens agrees with the target about as often as its first, so a rejection deep in one draft is not a verdict
+    # on that depth alone, which shorter drafts would then never revisit).
+    pooled: bool = False
     rates: list[float] = field(init=False)
     seen: list[int] = field(init=False)
 
@@ -40,6 +44,8 @@ class Acceptance:
     def observe(self, position: int, accepted: bool) -> None:
         if position >= self.size:
             return
+        if self.pooled:
+            position = 0
         if self.seen[position] == 0 and position > 0:  # its first observation updates what was estimated for it
             self.rates[position] = self.estimate()[position]
         # Average the first few observations with the starting rate (worth `prior_weight` observations), then forget
@@ -57,7 +63,7 @@ class Acceptance:
     def estimate(self, cautious: bool = True) -> list[float]:
         """Rates with never-observed positions taken from the position before them (at least `unseen_floor`), the
         first less `caution` standard deviations (`cautious`; else as estimated)."""
-        out = list(self.rates)
+        out = [self.rates[0]] * self.size if self.pooled else list(self.rates)
         if cautious and self.caution and out:  # (the count: its observations, the start's weight and one more)
             rate, count = out[0], self.seen[0] + self.prior_weight + 1.0
             out[0] = max(0.0, rate - self.caution * math.sqrt(rate * (1.0 - rate) / count))

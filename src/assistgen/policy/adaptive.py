@@ -42,7 +42,7 @@ class Adaptive:
     their unverified tokens are still checked against the tokens the target emits next, in this step and the
     following ones (`AdaptiveRun.check_unverified`), so their estimate keeps learning, at every position, while
     speculation is off. Costlier drafters are asked for the best k directly and their
-    draft is verified whole; while that k is 0 they are probed with k = 1 now and then, spending at most
+    draft is verified whole (their acceptance one rate for every draft position: `Acceptance.pooled`); while that k is 0 they are probed with k = 1 now and then, spending at most
     `probe_share` of the time, so drafting comes back when the text becomes predictable. A costly drafter
     must first read the tokens it has not seen (at its first use, the whole prompt): it is switched on only
     when drafting at the expected gain for the rest of the generation saves more than that catch-up costs,
@@ -125,6 +125,10 @@ class AdaptiveRun:
         self.unverified: dict[str, tuple[str, list[int], int]] = {}
         self.drafted_last: set[str] = set()  # the drafters that drafted in the last step (no catch-up since)
         self.drafted_before: set[str] = set()  # and in the step before it
+        # A model drafter that drafted last step feeds, in its next proposal's first pass, the tokens it has not seen:
+        # the target's own token, and its last draft token when the whole draft was kept ({name: rows})
+        self.pending: dict[str, int] = {}
+        self.first_extra: dict[str, float] = {}  # {name: that pass's cost beyond one row's, in passes} as last priced
         self.timed: set[str] = set()  # drafters whose cost per token has been measured (not a prior any more)
         self.measured: PassCosts | None = None  # None for plain decoding: nothing to choose
         self.online: OnlineCosts | None = None  # the passes' time as they run (when measuring)
@@ -145,7 +149,8 @@ class AdaptiveRun:
                 # (early exit's, the self-draft's) counts as a full window of the moving average's observations: one
                 # rejection then moves it as much as any later one does, not halfway to 0
                 self.acceptance[drafter.name] = Acceptance(float(drafter.acceptance_prior), settings.weight,
-                                                           settings.max_k + 1, prior_weight=1.0 / settings.weight)
+                                                           settings.max_k + 1, prior_weight=1.0 / settings.weight,
+                                                           pooled=not self.is_free(drafter.name))
 
     def estimate(self, source: str, drafter_name: str = "") -> Acceptance:
         """The estimate for a draft source (e.g. "lookup:3"); a new source of a drafter that has
@@ -156,7 +161,8 @@ class AdaptiveRun:
             start = pooled.estimate(cautious=False) if pooled is not None else None
             free = self.is_free(drafter_name or source)
             self.acceptance[source] = Acceptance(s.prior, s.weight, s.max_k + 1, start,
-                                                 s.unseen_floor if free else 0.0, caution=s.caution if free else 0.0)
+                                                 s.unseen_floor if free else 0.0, caution=s.caution if free else 0.0,
+                                                 pooled=not free)
         return self.acceptance[source]
 
     @property
@@ -199,7 +205,8 @@ class AdaptiveRun:
             return self.k_max()
         if name not in self.timed:  # a prior, in plain steps as measured: the passes' extra time is not the drafter's
             c /= self.slowdown()
-        k, gain = best_lookahead(self.estimate(name).estimate(), self.curve, c, self.k_max())
+        extra = self.first_extra[name] = self.first_pass_extra(drafter)
+        k, gain = best_lookahead(self.estimate(name).estimate(), self.curve, c, self.k_max(), first=c * extra)
         startup = self.startup_cost(drafter)
         if k > 0 and self.catch_up_pays(name, c, gain, startup):
             self.off_steps[name] = 0
@@ -210,6 +217,16 @@ class AdaptiveRun:
             self.probes += 1
             return 1
         return 0
+
+    def first_pass_extra(self, drafter: Drafter) -> float:
+        """What a model drafter's next first pass costs beyond a one-row pass, in its passes: from its model's
+        measured cost curve (d[n-1] = its n-row pass over its one-row pass) for the rows it must feed (`pending`);
+        0 for a drafter that did not draft last step (`catch_up_cost` prices its unseen tokens), or without a curve."""
+        curve = getattr(getattr(drafter.model, "costs", None), "curve", None) if drafter.model is not None else None
+        if not curve or drafter.name not in self.drafted_last:
+            return 0.0
+        rows = self.pending.get(drafter.name, 1)
+        return max(0.0, curve[min(rows, len(curve)) - 1] - 1.0)
 
     def probe_cost(self, name: str, c: float) -> float:
         """A one-token probe, in plain steps: the draft, the extra verified row, and catching up on unseen tokens."""
@@ -262,6 +279,8 @@ class AdaptiveRun:
             self.measure_step(outcome)
         self.drafted_before = self.drafted_last
         self.drafted_last = {outcome.drafter} if outcome.drafter and outcome.draft.tokens else set()
+        if outcome.drafter and outcome.draft.tokens:
+            self.pending[outcome.drafter] = 2 if outcome.accepted == len(outcome.draft.tokens) else 1
 
     def learn(self, outcome: StepOutcome) -> None:
         """Record which of the step's draft tokens were accepted (and, for free, whether the next would have been)."""
@@ -306,12 +325,14 @@ class AdaptiveRun:
             self.online.observe(shape, outcome.verify_s)
         # A drafter that drafted last step too has no catch-up cost in its time.
         if outcome.drafter and outcome.draft.tokens and outcome.drafter in self.drafted_last and self.unit_s:
-            self.time_drafter(outcome.drafter, outcome.draft_s, len(outcome.draft.tokens))
+            self.time_drafter(outcome.drafter, outcome.draft_s, len(outcome.draft.tokens),
+                              self.first_extra.get(outcome.drafter, 0.0))
 
-    def time_drafter(self, name: str, seconds: float, tokens: int) -> None:
-        """Follow a drafter's cost per token, in plain steps, from one proposal's time."""
+    def time_drafter(self, name: str, seconds: float, tokens: int, extra: float = 0.0) -> None:
+        """Follow a drafter's cost per token, in plain steps, from one proposal's time (`extra`: its first pass's
+        cost beyond one row's, in passes, as priced: not a token's)."""
         w = self.settings.cost_weight
-        c = seconds / tokens / self.unit_s
+        c = seconds / (tokens + extra) / self.unit_s
         old = self.drafter_cost.get(name, c)
         self.drafter_cost[name] = old + w * (c - old)
         self.timed.add(name)

@@ -10,7 +10,8 @@ Vocabulary (Leviathan et al. 2023, with a measured verification cost instead of 
               and costs v[k] plain steps, v[k] = t(k+1) / t(1), v[0] = 1 (`costs.py` measures it);
     c         a drafter's cost per proposed token, in plain steps.
 A step that verifies k draft tokens emits E(k) = 1 + sum_{i=1..k} prod_{j<=i} rates[j-1] tokens
-(the accepted ones and the target's own) and costs k*c + v[k] plain steps, so it produces
+(the accepted ones and the target's own) and costs k*c + v[k] plain steps (plus, for a model drafter whose first
+pass also feeds the tokens it has not seen, that pass's extra rows: `first`), so it produces
 E(k) / (k*c + v[k]) tokens per unit of time relative to plain decoding (`expected_gain`; 1 at k = 0).
 `lookahead` decides how many draft tokens each sequence of a step verifies, for one sequence or a
 batch alike: the step costs cost(N) for its N rows in all, and emits the sum of the sequences' E(k_i);
@@ -41,33 +42,36 @@ def expected_tokens(rates: list[float], k: float) -> float:
     return total + (k - low) * chain * rates[min(low, len(rates) - 1)]  # mixed with E(low + 1)
 
 
-def step_cost(curve: list[float], k: float, c: float = 0.0) -> float:
-    """k*c + v[k]: what a step verifying k draft tokens costs, in plain steps (k within the curve)."""
+def step_cost(curve: list[float], k: float, c: float = 0.0, first: float = 0.0) -> float:
+    """k*c + v[k] (+ `first` when k > 0: what a drafter's first pass costs beyond c, e.g. the rows it must feed
+    before drafting): what a step verifying k draft tokens costs, in plain steps (k within the curve)."""
     low = math.floor(k)
     v = curve[low] if k == low else curve[low] + (k - low) * (curve[low + 1] - curve[low])
-    return k * c + v
+    return k * c + v + (first if k > 0 else 0.0)
 
 
-def expected_gain(rates: list[float], k: float, curve: list[float], c: float = 0.0) -> float:
-    """Expected tokens per unit of time relative to plain decoding: E(k) / (k*c + v[k])."""
-    return expected_tokens(rates, k) / step_cost(curve, k, c)
+def expected_gain(rates: list[float], k: float, curve: list[float], c: float = 0.0, first: float = 0.0) -> float:
+    """Expected tokens per unit of time relative to plain decoding: E(k) / (k*c + v[k] + first)."""
+    return expected_tokens(rates, k) / step_cost(curve, k, c, first)
 
 
-def best_draft_length(rates: list[float], curve: list[float], c: float, k_max: int) -> tuple[int, float]:
+def best_draft_length(rates: list[float], curve: list[float], c: float, k_max: int,
+                      first: float = 0.0) -> tuple[int, float]:
     """The k in 1..k_max (and within the curve) with the highest expected gain, and that gain, even
     below 1; ties go to the smaller k; (0, 0.0) when no k >= 1 is possible."""
     best, best_gain = 0, 0.0
     for k in range(1, min(k_max, len(curve) - 1) + 1):
-        gain = expected_gain(rates, k, curve, c)
+        gain = expected_gain(rates, k, curve, c, first)
         if gain > best_gain:
             best, best_gain = k, gain
     return best, best_gain
 
 
-def best_lookahead(rates: list[float], curve: list[float], c: float, k_max: int) -> tuple[int, float]:
-    """How many tokens to ask one drafter costing c per token for: the k in 0..k_max with the highest expected
-    gain; k = 0 (plain decoding, gain 1) unless drafting beats it."""
-    k, gain = best_draft_length(rates, curve, c, k_max)
+def best_lookahead(rates: list[float], curve: list[float], c: float, k_max: int,
+                   first: float = 0.0) -> tuple[int, float]:
+    """How many tokens to ask one drafter costing c per token (and `first` more for its first pass) for: the k in
+    0..k_max with the highest expected gain; k = 0 (plain decoding, gain 1) unless drafting beats it."""
+    k, gain = best_draft_length(rates, curve, c, k_max, first)
     return (k, gain) if gain > 1.0 else (0, 1.0)
 
 

@@ -155,7 +155,8 @@ class HeardModel:
 
         return measurement_key(self.speech, f"decoder_layers={len(self.blocks)}", "kind=speech",
                                f"routes={applied_routes(self.speech.hf)}", f"head={self.head_rows}",
-                               f"weights={self.speech.quantization or 'float'}", *extra)
+                               f"weights={self.speech.quantization or 'float'}",
+                               *(["drafting=fused-qkv"] if self.speech.quantization else []), *extra)
 
     @property
     def head_rows(self) -> int:
