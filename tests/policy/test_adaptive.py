@@ -665,15 +665,17 @@ def test_a_model_drafters_acceptance_is_one_rate_for_every_position():
     from assistgen.policy.acceptance import Acceptance
 
     pooled = Acceptance(0.9, 0.2, 8, prior_weight=5.0, pooled=True)
-    pooled.record(verified=4, accepted=1)  # the first token kept, the second rejected
-    rate = (0.9 + 0.2 * (1 - 0.9)) * 0.8
+    pooled.record(verified=4, accepted=1)  # the first token kept, the second rejected: half of those judged
+    rate = 0.9 + 0.2 * (0.5 - 0.9)
     assert pooled.estimate() == pytest.approx([rate] * 8)  # the rejection at depth 2 lowers every depth alike
     pooled.record(verified=1, accepted=1)  # and a one-token draft kept raises them all: depth 2 is not stuck
     assert pooled.estimate()[1] > rate
+    pooled.record(verified=16, accepted=16)  # a long draft kept whole is one step's evidence
+    assert pooled.estimate()[0] < 0.9
     per_position = Acceptance(0.9, 0.2, 8, prior_weight=5.0)
     per_position.record(verified=4, accepted=1)
     per_position.record(verified=1, accepted=1)
-    assert per_position.estimate()[1] == pytest.approx(rate)  # depth 2 keeps its one rejection (a free drafter)
+    assert per_position.estimate()[1] == pytest.approx((0.9 + 0.2 * 0.1) * 0.8)  # depth 2 keeps its rejection
     # The policy pools a model drafter's positions, not a free drafter's.
     policy = Adaptive(curve=[1.0 + 0.02 * k for k in range(17)], drafter_cost_prior=0.3).prepare(None, [Timed(), Cheap()])
     assert policy.estimate("assistant").pooled and not policy.estimate("lookup", "lookup").pooled

@@ -3,7 +3,7 @@
 Contract: `Acceptance(prior, weight, size)` holds one rate per draft position (0..size-1), each starting at its
 `start` (default: `prior`) worth `prior_weight` observations, then an exponential moving average at `weight`;
 `record(verified, accepted)` learns one step (positions 0..accepted-1 kept, position `accepted` rejected when it
-was verified; `pooled`: one rate for all positions, each observation updating it); `estimate()` gives the rates with never-observed positions taken from the one before (at least
+was verified; `pooled`: one rate for all positions, moved once per step); `estimate()` gives the rates with never-observed positions taken from the one before (at least
 `unseen_floor`; the first at most its rate less `caution` standard deviations): the rates `gain.py` optimizes
 over. A position's first observation updates that estimate (not
 the prior), so an accepted token never lowers the rate estimated for its position.
@@ -29,9 +29,10 @@ class Acceptance:
     # count): the first position gates every later one, so a long draft verified on a rate seen once or twice is a
     # bet on little evidence; the margin shrinks as observations come in. 0: the rate as estimated.
     caution: float = 0.0
-    # One rate for every position: each observation, at whatever position, updates it (a model drafter: each of its
-    # tokens agrees with the target about as often as its first, so a rejection deep in one draft is not a verdict
-    # on that depth alone, which shorter drafts would then never revisit).
+    # One rate for every position, moved once per verified draft to the share of its judged tokens kept (a model
+    # drafter: each of its tokens agrees with the target about as often as its first, so a rejection deep in one
+    # draft is not a verdict on that depth alone, which shorter drafts would then never revisit; and a long draft
+    # kept whole is one draft's evidence, not ten).
     pooled: bool = False
     rates: list[float] = field(init=False)
     seen: list[int] = field(init=False)
@@ -55,6 +56,12 @@ class Acceptance:
         self.seen[position] += 1
 
     def record(self, verified: int, accepted: int) -> None:
+        if self.pooled:  # one draft's tokens are one piece of evidence: the step moves the rate once, to its share kept
+            if verified:
+                w = max(self.weight, 1.0 / (self.seen[0] + 1 + self.prior_weight))
+                self.rates[0] += w * (accepted / (accepted + (accepted < verified)) - self.rates[0])
+                self.seen[0] += 1
+            return
         for i in range(accepted):
             self.observe(i, True)
         if accepted < verified:

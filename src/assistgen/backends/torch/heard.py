@@ -19,8 +19,10 @@ import torch.nn.functional as F
 
 from assistgen.backends.base import Capabilities, synced
 from assistgen.backends.torch.devices import model_device
+from assistgen.backends.torch.quantize import COMPUTE, KERNEL_ROWS
 from assistgen.backends.torch.timing import clock, measurement_key
 
+DRAFTING_FORWARD = "2"  # a copy for drafting's forward pass (`drafting_layer`): its measured costs are keyed by it
 DRAFT_VOCABULARY = 16384  # the token ids a drafter's head computes (`HeardModel.draft_vocabulary`)
 
 
@@ -156,7 +158,7 @@ class HeardModel:
         return measurement_key(self.speech, f"decoder_layers={len(self.blocks)}", "kind=speech",
                                f"routes={applied_routes(self.speech.hf)}", f"head={self.head_rows}",
                                f"weights={self.speech.quantization or 'float'}",
-                               *(["drafting=fused-qkv"] if self.speech.quantization else []), *extra)
+                               *([f"drafting={DRAFTING_FORWARD}"] if self.speech.quantization else []), *extra)
 
     @property
     def head_rows(self) -> int:
@@ -173,7 +175,7 @@ class HeardModel:
             raise ValueError(f"{self.name} holds {self.context_length} decoder positions; this pass would reach "
                              f"{start + n}")
         dec = self.decoder
-        device = self.device
+        device = cache.device
         tokens = torch.tensor([ids], device=device)
         positions = torch.arange(start, start + n, device=device)
         h = dec.embed_tokens(tokens) + dec.embed_positions.weight[positions]  # [1, n, d]
@@ -181,9 +183,16 @@ class HeardModel:
         if n > 1:  # the new rows attend causally to each other and to every cached position
             mask = torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)
         cross = self.encoded.layers()
-        for i, layer in enumerate(self.blocks):
-            h = decoder_layer(layer, h, cache, i, start, mask, cross[i])
-        logits = self.project(dec.layer_norm(h[:, -keep:])[0])  # [keep, vocab]
+        if self.speech.quantization is None:
+            for i, layer in enumerate(self.blocks):
+                h = decoder_layer(layer, h, cache, i, start, mask, cross[i])
+            last = dec.layer_norm(h[:, -keep:])[0]  # [keep, d]
+        else:  # a copy for drafting
+            h = h[0]  # [n, d]
+            for i, layer in enumerate(self.blocks):
+                h = drafting_layer(layer, h, cache, i, start, mask, cross[i])
+            last = dec.layer_norm(h[-keep:])
+        logits = self.project(last)  # [keep, vocab]
         always, first = self.masks
         logits = logits.masked_fill(always, float("-inf"))
         row = self.begin - (start + n - keep) - 1  # the kept row that predicts token `begin`, if any
@@ -284,6 +293,40 @@ def decoder_layer(layer, h: torch.Tensor, cache: SpeechCache, i: int, start: int
     h = h + attention(layer.encoder_attn, query(layer.encoder_attn, x), cross[0], cross[1], None)
     x = layer.final_layer_norm(h)
     return h + layer.fc2(layer.activation_fn(layer.fc1(x)))
+
+
+def drafting_layer(layer, h: torch.Tensor, cache: SpeechCache, i: int, start: int, mask, cross) -> torch.Tensor:
+    """`decoder_layer` for a copy for drafting (`speech.drafting_layer`: quantized products, the self-attention's
+    query, key and value in one, the scales folded in) over rows h [n, d]: the same operations, each product run
+    by its layer's kernel directly (`product`; a draft pass is many small operations, and module dispatch and
+    reshaping were a fifth of its time)."""
+    attn, cross_attn = layer.self_attn, layer.encoder_attn
+    n, d = h.shape
+    split = (n, attn.num_heads, d // attn.num_heads)
+    x = norm(layer.self_attn_layer_norm, h)
+    q, k, v = product(attn.qkv, x).view(n, 3, *split[1:]).permute(1, 2, 0, 3)  # [heads, n, d_h] each
+    keys, values = cache.write(i, k[None], v[None], start)
+    out = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, scale=1.0)[0]  # [heads, n, d_h]
+    h = h + product(attn.out_proj, out.transpose(0, 1).reshape(n, d))
+    x = norm(layer.encoder_attn_layer_norm, h)
+    q = product(cross_attn.q_proj, x).view(split).transpose(0, 1)  # [heads, n, d_h]
+    out = F.scaled_dot_product_attention(q[None], cross[0], cross[1], scale=1.0)[0]
+    h = h + product(cross_attn.out_proj, out.transpose(0, 1).reshape(n, d))
+    x = norm(layer.final_layer_norm, h)
+    return h + product(layer.fc2, layer.activation_fn(product(layer.fc1, x)))
+
+
+def norm(layer_norm, h: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(h, layer_norm.normalized_shape, layer_norm.weight, layer_norm.bias, layer_norm.eps)
+
+
+def product(layer, x: torch.Tensor) -> torch.Tensor:
+    """A quantized layer's x W^T + b for rows x [n, in] float32 -> [n, out] float32: its kernel called directly (its
+    own forward beyond the kernel's rows)."""
+    if x.shape[0] > KERNEL_ROWS:
+        return layer(x)
+    out = layer.matmul(x.to(COMPUTE)).float()
+    return out if layer.bias is None else out + layer.bias
 
 
 class SpeechCache:
