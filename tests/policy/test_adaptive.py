@@ -677,5 +677,6 @@ def test_a_model_drafters_acceptance_is_one_rate_for_every_position():
     per_position.record(verified=1, accepted=1)
     assert per_position.estimate()[1] == pytest.approx((0.9 + 0.2 * 0.1) * 0.8)  # depth 2 keeps its rejection
     # The policy pools a model drafter's positions, not a free drafter's.
-    policy = Adaptive(curve=[1.0 + 0.02 * k for k in range(17)], drafter_cost_prior=0.3).prepare(None, [Timed(), Cheap()])
+    settings = Adaptive(curve=[1.0 + 0.02 * k for k in range(17)], drafter_cost_prior=0.3)
+    policy = settings.prepare(None, [Timed(), Cheap()])
     assert policy.estimate("assistant").pooled and not policy.estimate("lookup", "lookup").pooled

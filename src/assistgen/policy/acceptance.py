@@ -3,10 +3,10 @@
 Contract: `Acceptance(prior, weight, size)` holds one rate per draft position (0..size-1), each starting at its
 `start` (default: `prior`) worth `prior_weight` observations, then an exponential moving average at `weight`;
 `record(verified, accepted)` learns one step (positions 0..accepted-1 kept, position `accepted` rejected when it
-was verified; `pooled`: one rate for all positions, moved once per step); `estimate()` gives the rates with never-observed positions taken from the one before (at least
-`unseen_floor`; the first at most its rate less `caution` standard deviations): the rates `gain.py` optimizes
-over. A position's first observation updates that estimate (not
-the prior), so an accepted token never lowers the rate estimated for its position.
+was verified; `pooled`: one rate for all positions, moved once per step); `estimate()` gives the rates with
+never-observed positions taken from the one before (at least `unseen_floor`; the first at most its rate less
+`caution` standard deviations): the rates `gain.py` optimizes over. A position's first observation updates that
+estimate (not the prior), so an accepted token never lowers the rate estimated for its position.
 """
 
 from __future__ import annotations

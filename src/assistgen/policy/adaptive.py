@@ -41,8 +41,9 @@ class Adaptive:
     asked for `max_k` tokens and the loop verifies the best length of the draft for its source (`rates`);
     their unverified tokens are still checked against the tokens the target emits next, in this step and the
     following ones (`AdaptiveRun.check_unverified`), so their estimate keeps learning, at every position, while
-    speculation is off. Costlier drafters are asked for the best k directly and their
-    draft is verified whole (their acceptance one rate for every draft position: `Acceptance.pooled`); while that k is 0 they are probed with k = 1 now and then, spending at most
+    speculation is off. Costlier drafters are asked for the best k directly and their draft is verified whole
+    (their acceptance one rate for every draft position: `Acceptance.pooled`; their first pass priced by the rows
+    it feeds: `first_pass_extra`); while that k is 0 they are probed with k = 1 now and then, spending at most
     `probe_share` of the time, so drafting comes back when the text becomes predictable. A costly drafter
     must first read the tokens it has not seen (at its first use, the whole prompt): it is switched on only
     when drafting at the expected gain for the rest of the generation saves more than that catch-up costs,
