@@ -4,7 +4,7 @@ from assistgen.api import Conversation, Generation, Session, generate, load_mode
 from assistgen.backends.embedded import ModelLoadError
 from assistgen.backends.settings import LoadSettings
 from assistgen.backends.torch.model import Model
-from assistgen.config import ConfigError, GenerationConfig, Structure
+from assistgen.config import Cancelled, ConfigError, GenerationConfig, Structure
 from assistgen.core.prefix import PrefixCache
 from assistgen.drafters.assistant import AssistantDrafter, TokenizerMismatchError
 from assistgen.drafters.base import CompositeDrafter, NoDrafter
@@ -20,7 +20,8 @@ from assistgen.speech.transcribe import Transcription, load_speech_model, transc
 from assistgen.stats import Stats
 
 __all__ = [
-    "Adaptive", "AssistantDrafter", "AudioError", "CompositeDrafter", "ConfigError", "Constant", "Conversation",
+    "Adaptive", "AssistantDrafter", "AudioError", "Cancelled", "CompositeDrafter", "ConfigError", "Constant",
+    "Conversation",
     "Draft", "Drafter",
     "EarlyExitDrafter", "Generation", "GenerationConfig", "Heuristic", "LoadSettings", "Model", "ModelLoadError",
     "NGramCache", "NGramCacheDrafter", "NoDrafter", "PrefixCache", "PromptLookupDrafter", "Session", "Stats",

@@ -26,7 +26,7 @@ from jinja2 import TemplateError
 
 from assistgen.backends.base import LanguageModel
 from assistgen.backends.loader import LoadSettings, load
-from assistgen.config import ConfigError, GenerationConfig, Structure
+from assistgen.config import Cancelled, ConfigError, GenerationConfig, Structure
 from assistgen.core.engine import stream as run_loop
 from assistgen.core.logprobs import TokenLogprob
 from assistgen.core.prefix import PrefixCache, check_capacity, default_capacity
@@ -348,9 +348,11 @@ def generate(
     ngram_cache: bool | str | NGramCache | None = False,
     prefix: PrefixCache | None = None,
     suffix: bool | str | SuffixHistory = False,
+    cancelled: Callable[[], bool] | None = None,
     **settings,
 ) -> Generation:
-    """Generate a continuation of `prompt`; same arguments as `stream`."""
+    """Generate a continuation of `prompt`; same arguments as `stream`, and `cancelled`: asked after every
+    verification step; once it answers True the generation stops there and raises `Cancelled` (a caller gone)."""
     target = as_model(model)
     prompt_ids = encode_prompt(target, prompt, chat)
     tokens: list[int] = []
@@ -358,8 +360,12 @@ def generate(
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs = None
     last = None
-    for chunk in stream(target, prompt_ids, assistant, lookup, schedule, False, early_exit, ngram_cache, prefix,
-                        suffix, **settings):
+    chunks = stream(target, prompt_ids, assistant, lookup, schedule, False, early_exit, ngram_cache, prefix, suffix,
+                    **settings)
+    for chunk in chunks:
+        if cancelled is not None and cancelled():
+            chunks.close()
+            raise Cancelled("The generation was cancelled by its caller.")
         tokens.extend(chunk.tokens)
         text.append(chunk.text)
         if chunk.logprobs is not None:

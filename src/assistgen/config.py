@@ -20,6 +20,10 @@ class ConfigError(ValueError):
     """A generation setting is out of range; the message names it and says what is allowed."""
 
 
+class Cancelled(Exception):
+    """A generation (or transcription) stopped because its caller's `cancelled()` said so."""
+
+
 @dataclass(frozen=True)
 class Structure:
     """What the output must match: "json_object" (any JSON object), "json_schema" (`spec`: the schema's JSON text),

@@ -107,6 +107,40 @@ def test_transcriptions_wait_their_turn_off_the_event_loop(served, clip, expecte
     assert texts == [expected.text] * 2
 
 
+PARAGRAPH = ("Once upon a time there was a little village at the foot of a mountain. Every morning the baker opened "
+             "his shop and sold fresh bread to the people of the village, and the children walked to school.")
+
+
+def test_a_client_that_goes_away_stops_its_transcription(served, tmp_path, expected, clip):
+    long_clip = speak(PARAGRAPH, tmp_path / "paragraph.wav")  # (about 12 s: seconds of decoding on this CPU)
+    before = scrape(served)
+    with open(long_clip, "rb") as f, httpx.Client(timeout=httpx.Timeout(60, read=0.3)) as http:
+        with pytest.raises(httpx.ReadTimeout):  # a client that gives up waiting, once its upload is sent
+            http.post(f"{served}/v1/audio/transcriptions", data={"model": SPEECH}, files={"file": f})
+    deadline = time.monotonic() + 60
+    while scrape(served).get(f"{REQUESTS}[499]", 0) == before.get(f"{REQUESTS}[499]", 0):
+        assert time.monotonic() < deadline, "the abandoned transcription was never stopped"
+        time.sleep(0.1)
+    after = scrape(served)
+    assert after.get(f"{REQUESTS}[200]", 0) == before.get(f"{REQUESTS}[200]", 0)  # stopped, not finished
+    assert transcribed(openai_client(served, "key"), clip, model=SPEECH).text == expected.text  # the next one runs
+
+
+def test_a_full_queue_is_429(served, clip):
+    """More transcriptions at once than the service queues (8 behind the running one): some refused, with OpenAI's
+    error body, never a 5xx; the others transcribed."""
+    audio = Path(clip).read_bytes()
+    with ThreadPoolExecutor(14) as pool:
+        responses = list(pool.map(lambda _: post(served, {"model": SPEECH}, ("sentence.wav", audio)), range(14),
+                                  timeout=300))
+    codes = sorted(r.status_code for r in responses)
+    assert set(codes) == {200, 429} and codes.count(429) >= 1, codes
+    for r in responses:
+        if r.status_code == 429:
+            error = r.json()["error"]
+            assert error["type"] == "rate_limit_error" and "try again" in error["message"], error
+
+
 def test_a_long_prompt_keeps_its_end_as_whisper_does(clip):
     out = transcribe(SPEECH, clip, prompt="word " * 1000, language="en", max_new_tokens=2)
     prompt = out.windows[0].prompt_ids

@@ -198,3 +198,18 @@ def test_the_decoders_linear_routes_are_tuned_per_row_count(whisper_base):
         assert record["routes"][n] == fastest or times[record["routes"][n]][n - 1] == times[fastest][n - 1]
     head = whisper_base.hf.get_output_embeddings()
     assert isinstance(head, SmallRowsLinear) and head.routes == record["routes"]
+
+
+def test_a_transcription_stops_when_its_caller_cancels(whisper_base, clip):
+    from assistgen import Cancelled
+
+    asked = []
+
+    def cancelled() -> bool:  # asked before the window and after each step: it answers True on the fourth ask
+        asked.append(True)
+        return len(asked) >= 4
+
+    with pytest.raises(Cancelled):
+        transcribe(whisper_base, clip, language="en", cancelled=cancelled)
+    assert len(asked) == 4  # it stopped at once: three steps decoded, not the whole transcript
+    assert transcribe(whisper_base, clip, language="en", cancelled=lambda: False).text  # never cancelled: the text

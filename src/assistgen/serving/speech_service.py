@@ -7,14 +7,16 @@ and to OpenAI's default "whisper-1" (`answers_to`). `checked_language(code)` is 
 in (None: detected, or an English-only model) or a `ConfigError` naming the fix; `language_name` is a code's English
 name ("english"), as OpenAI's verbose replies give it. `await run(samples, language, prompt, temperature)` queues a
 transcription on the service's own worker thread (in order, one at a time; more than `max_waiting` behind the one
-running raise `Busy`) and returns its `speech.transcribe.Transcription`, with the target's log-probabilities. An
-await left early (a client gone) cancels a transcription not yet started; one already running runs to its end.
+running raise `Busy`) and returns its `speech.transcribe.Transcription`, with the target's log-probabilities. Setting
+its `stop` event (a client gone), or leaving the await early, cancels it: one not yet started never starts, one
+running stops after its current decoding step (`config.Cancelled` is raised to a caller still waiting).
 `close()` lets queued transcriptions finish and stops the thread. Nothing here speaks HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -69,23 +71,28 @@ class SpeechService:
         """The end-of-transcript id; every id from it on is special (languages, tasks, timestamps)."""
         return int(self.model.generation.eos_token_id)
 
-    async def run(self, samples: np.ndarray, language: str | None, prompt: str | None,
-                  temperature: float) -> Transcription:
+    async def run(self, samples: np.ndarray, language: str | None, prompt: str | None, temperature: float,
+                  stop: threading.Event | None = None) -> Transcription:
         if self.pending > self.max_waiting:
             raise Busy(f"{self.pending} transcriptions are queued or running on this server: try again shortly.")
+        stop = stop if stop is not None else threading.Event()
         self.pending += 1
         try:
-            future = self.worker.submit(self.transcribe, samples, language, prompt, temperature)
-            return await asyncio.wrap_future(future)
+            future = self.worker.submit(self.transcribe, samples, language, prompt, temperature, stop)
+            try:
+                return await asyncio.wrap_future(future)
+            except asyncio.CancelledError:
+                stop.set()
+                raise
         finally:
             self.pending -= 1
 
-    def transcribe(self, samples: np.ndarray, language: str | None, prompt: str | None,
-                   temperature: float) -> Transcription:
+    def transcribe(self, samples: np.ndarray, language: str | None, prompt: str | None, temperature: float,
+                   stop: threading.Event | None = None) -> Transcription:
         return transcribe(self.model, samples, assistant=self.assistant, language=language, prompt=prompt,
                           lookup=self.lookup, early_exit=self.early_exit, self_draft=self.self_draft,
                           draft_weights=self.draft_weights, schedule=self.schedule,
-                          temperature=temperature, logprobs=True)
+                          temperature=temperature, logprobs=True, cancelled=None if stop is None else stop.is_set)
 
     def close(self) -> None:
         self.worker.shutdown(wait=True)

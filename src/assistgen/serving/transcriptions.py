@@ -12,7 +12,9 @@ thread, never on the event loop. Replies: json `{"text", "usage", "assistgen"}`;
 verbose_json: OpenAI's `{"task", "language" (its English name), "duration", "text", "segments"}`, one segment per
 30 s window (`avg_logprob` from the target's log-probabilities, `compression_ratio` as Whisper computes it,
 `no_speech_prob` null: not computed), with `usage` and `assistgen`: the speculation statistics (`statistics`, the
-names `assistgen transcribe --json` prints). Every answer is counted by status in the metrics, and each
+names `assistgen transcribe --json` prints). A client that goes away while its transcription waits or runs stops it
+(after its current decoding step), counted as status 499. A full queue is a 429. Every answer is counted by status
+in the metrics, and each
 transcription's figures (`metrics.TranscriptionMetrics`); `openapi_form` is the form in the app's OpenAPI schema.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 import zlib
 from collections.abc import AsyncIterator
@@ -31,7 +34,7 @@ from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect
 
-from assistgen.config import ConfigError
+from assistgen.config import Cancelled, ConfigError
 from assistgen.serving.app_state import AppState, state_of
 from assistgen.serving.protocol import APIError
 from assistgen.serving.speech_service import ALIASES, Busy, SpeechService
@@ -55,6 +58,8 @@ REFUSED = {
 }
 FORM_ROOM = 2**20  # what the form may hold besides the file: the other fields and the multipart framing
 FIELD_BYTES = 256 * 2**10  # the largest field besides the file (a long prompt)
+CLIENT_GONE = 499  # the status a transcription whose client went away is counted under (nginx's)
+DISCONNECT_POLL_S = 0.25  # how often a waiting transcription checks that its client is still there
 FRAMES_PER_SECOND = 100  # Whisper's mel frames (a segment's `seek` counts them)
 
 
@@ -114,14 +119,27 @@ async def transcription(state: AppState, http: HTTPRequest) -> Response:
         raise APIError(400, f"{name} cannot be decoded ({type(e).__name__}: {e}): send an audio file "
                        f"({AUDIO_FORMATS}).", param="file") from e
     started = time.perf_counter()
+    stop = threading.Event()
+    watcher = asyncio.create_task(stop_when_gone(http, stop))
     try:
-        result = await service.run(samples, asked.language, asked.prompt, asked.temperature)
+        result = await service.run(samples, asked.language, asked.prompt, asked.temperature, stop)
     except Busy as e:
         raise APIError(429, str(e), "rate_limit_error") from e
     except ConfigError as e:
         raise APIError(400, str(e)) from e
+    except Cancelled as e:  # (nobody reads this answer; 499, as nginx logs a client that closed its request)
+        raise APIError(CLIENT_GONE, "The client went away: its transcription was stopped.") from e
+    finally:
+        watcher.cancel()
     state.metrics.transcriptions.transcribed(result.stats, result.duration_s, time.perf_counter() - started)
     return reply(result, asked, service)
+
+
+async def stop_when_gone(http: HTTPRequest, stop: threading.Event) -> None:
+    """Set `stop` once the client has gone (its transcription then ends after its current step)."""
+    while not await http.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    stop.set()
 
 
 def served(state: AppState) -> SpeechService:

@@ -23,6 +23,7 @@ are resolved once per process (`as_speech_model`). Bad input raises `ConfigError
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -37,7 +38,7 @@ from assistgen.backends.torch.speech import (
     SpeechModel,
     load_speech,
 )
-from assistgen.config import ConfigError
+from assistgen.config import Cancelled, ConfigError
 from assistgen.drafters.assistant import AssistantDrafter, agreement, same_tokenizer
 from assistgen.drafters.early_exit import calibrate_exit_layer
 from assistgen.drafters.universal import UniversalDrafter
@@ -206,11 +207,12 @@ def transcribe(model, audio, assistant=None, language: str | None = None, prompt
                task: str = "transcribe", lookup: bool = False, early_exit: bool | int = False, ngram_cache=False,
                self_draft: bool = False, draft_weights: str | None = "auto", schedule=None, temperature: float = 0.0,
                seed: int | None = None, max_new_tokens: int | None = None, max_seconds: float | None = None,
-               logprobs: bool = False) -> Transcription:
+               logprobs: bool = False, cancelled: Callable[[], bool] | None = None) -> Transcription:
     """Transcribe `audio` (a path, bytes, a binary file, or 16 kHz mono samples) with `model` (see the contract);
     `self_draft`: the target's own decoder in quantized weights drafts; `draft_weights` ("auto", "int8", "int4",
     "float"): the weights of a drafting model (the assistant, the self-draft); `logprobs`: keep each window's token
-    log-probabilities (`Window.logprobs`)."""
+    log-probabilities (`Window.logprobs`); `cancelled`: asked before each window and after each decoding step; once
+    it answers True the transcription stops and raises `config.Cancelled` (a server's client gone)."""
     samples = read_audio(audio, max_seconds, name=str(audio) if isinstance(audio, (str, os.PathLike)) else "the audio")
     speech = as_speech_model(model)
     helper = None if assistant is None else as_speech_model(assistant)
@@ -232,6 +234,8 @@ def transcribe(model, audio, assistant=None, language: str | None = None, prompt
     out = Transcription("", language, len(samples) / SAMPLE_RATE)
     texts = []
     for start, end in windows(samples):
+        if cancelled is not None and cancelled():
+            raise Cancelled("The transcription was cancelled by its caller.")
         window = samples[start:end]
         heard = speech.listen(speech.features(window), begin=0)  # the encoder runs here, once per window
         if speech.multilingual and language is None:
@@ -247,7 +251,7 @@ def transcribe(model, audio, assistant=None, language: str | None = None, prompt
         exit_n = exit_layers(speech, heard, early_exit) if early_exit else False
         result = generate(heard, ids, assistant=drafter, lookup=lookup, early_exit=exit_n, ngram_cache=ngram_cache,
                           schedule=schedule, max_new_tokens=max_new_tokens or room, temperature=temperature,
-                          expected_new_tokens=expected_tokens(window),
+                          expected_new_tokens=expected_tokens(window), cancelled=cancelled,
                           seed=seed, logprobs=0 if logprobs else None)
         text = speech.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         kept = [lp.logprob for lp in result.logprobs] if logprobs else None
