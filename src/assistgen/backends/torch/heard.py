@@ -296,10 +296,10 @@ def decoder_layer(layer, h: torch.Tensor, cache: SpeechCache, i: int, start: int
 
 
 def drafting_layer(layer, h: torch.Tensor, cache: SpeechCache, i: int, start: int, mask, cross) -> torch.Tensor:
-    """`decoder_layer` for a copy for drafting (`speech.drafting_layer`: quantized products, the self-attention's
-    query, key and value in one, the scales folded in) over rows h [n, d]: the same operations, each product run
-    by its layer's kernel directly (`product`; a draft pass is many small operations, and module dispatch and
-    reshaping were a fifth of its time)."""
+    """`decoder_layer` for a copy for drafting (`speech.quantize_for_drafting`: quantized products, the
+    self-attention's query, key and value in one, the scales folded in) over rows h [n, d]: the same operations,
+    each product run by its layer's kernel directly (`product`; a draft pass is many small operations, and module
+    dispatch and reshaping were a fifth of its time)."""
     attn, cross_attn = layer.self_attn, layer.encoder_attn
     n, d = h.shape
     split = (n, attn.num_heads, d // attn.num_heads)

@@ -159,8 +159,8 @@ class SpeechModel:
 
     def for_drafting(self, scheme: str = "int8") -> SpeechModel:
         """A copy of this model whose decoder's per-token layers (self-attention, the cross-attention's query and
-        output, the feed-forward; and its drafters' head rows) hold `scheme` weights (`drafting_layer`; CPU only):
-        it drafts only, so its weights change its drafts' acceptance, never the output. Every other tensor
+        output, the feed-forward; and its drafters' head rows) hold `scheme` weights (`quantize_for_drafting`; CPU
+        only): it drafts only, so its weights change its drafts' acceptance, never the output. Every other tensor
         (the encoder, the embeddings, the norms, the cross-attention's keys and values, which run once per window
         over many rows) is this model's own, shared, not copied. Made once per scheme."""
         if self.quantization is not None:
@@ -169,7 +169,7 @@ class SpeechModel:
             shared = {id(t): t for t in (*self.hf.parameters(), *self.hf.buffers())}
             hf = copy.deepcopy(self.hf, memo=shared)  # a new module tree over the same tensors
             for layer in hf.model.decoder.layers:
-                drafting_layer(layer, scheme)
+                quantize_for_drafting(layer, scheme)
             self.drafting[scheme] = SpeechModel(hf, self.tokenizer, self.extractor, name=f"{self.name}:{scheme}",
                                                 cache_key=None if self.cache_key is None
                                                 else f"{self.cache_key}:{scheme}", quantization=scheme)
@@ -177,7 +177,7 @@ class SpeechModel:
 
 
 @torch.no_grad()
-def drafting_layer(layer, scheme: str) -> None:
+def quantize_for_drafting(layer, scheme: str) -> None:
     """A decoder layer of a copy for drafting, in `scheme` weights (`quantize.quantized_linear`), in place: its
     self-attention's query, key and value products fused into one (`qkv`), the attention scale folded into the query
     weights of both attentions (their `scaling` then 1.0), the outputs and the feed-forward quantized."""
