@@ -680,3 +680,13 @@ def test_a_model_drafters_acceptance_is_one_rate_for_every_position():
     settings = Adaptive(curve=[1.0 + 0.02 * k for k in range(17)], drafter_cost_prior=0.3)
     policy = settings.prepare(None, [Timed(), Cheap()])
     assert policy.estimate("assistant").pooled and not policy.estimate("lookup", "lookup").pooled
+
+
+def test_a_later_positions_first_observation_starts_from_the_rate_not_the_cautious_price():
+    from assistgen.policy.acceptance import Acceptance
+
+    rates = Acceptance(0.5, 0.2, 4, caution=1.0)
+    rates.observe(0, True)  # the first position: 0.5 -> 0.75 (averaged with the start, worth one observation)
+    assert rates.estimate()[1] == pytest.approx(0.5)  # priced with caution: 0.75 less one sd (0.25)
+    rates.observe(1, True)
+    assert rates.rates[1] == pytest.approx(0.75 + 0.5 * 0.25)  # from 0.75, the rate, not from the price

@@ -48,7 +48,7 @@ class Acceptance:
         if self.pooled:
             position = 0
         if self.seen[position] == 0 and position > 0:  # its first observation updates what was estimated for it
-            self.rates[position] = self.estimate()[position]
+            self.rates[position] = self.estimate(cautious=False)[position]  # (the caution prices, it is not a rate)
         # Average the first few observations with the starting rate (worth `prior_weight` observations), then forget
         # old ones at `weight`: one lucky draft does not set a position's rate to 1.
         w = max(self.weight, 1.0 / (self.seen[position] + 1 + self.prior_weight))
