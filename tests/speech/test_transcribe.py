@@ -213,3 +213,13 @@ def test_a_transcription_stops_when_its_caller_cancels(whisper_base, clip):
         transcribe(whisper_base, clip, language="en", cancelled=cancelled)
     assert len(asked) == 4  # it stopped at once: three steps decoded, not the whole transcript
     assert transcribe(whisper_base, clip, language="en", cancelled=lambda: False).text  # never cancelled: the text
+
+
+def test_an_assistant_extracting_the_same_features_reads_the_targets(whisper_base, whisper_tiny_en, clip):
+    from assistgen.speech.audio import read_audio
+    from assistgen.speech.transcribe import assistant_drafter
+
+    samples = read_audio(clip)
+    heard = whisper_base.listen(whisper_base.features(samples), begin=4)
+    drafter = assistant_drafter(heard, whisper_tiny_en, samples, "en")
+    assert drafter.model.encoded.features is heard.encoded.features  # (80 mel bins both: extracted once)

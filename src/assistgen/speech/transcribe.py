@@ -190,11 +190,14 @@ def self_drafter(target: HeardModel, scheme: str | None) -> AssistantDrafter:
 def assistant_drafter(target: HeardModel, assistant: SpeechModel, window: np.ndarray, language: str | None):
     """The assistant Whisper on the same window (its copy for drafting, when `assistant` is one): same tokenizer, it
     drafts token ids directly; another, in universal mode from its own decoder prompt. Its decoder's passes are timed
-    on its first window (`policy.costs.pass_costs`), so that the policy prices it by time, not by weight bytes."""
+    on its first window (`policy.costs.pass_costs`), so that the policy prices it by time, not by weight bytes. Where
+    both extract the same features (Whisper's 80 mel bins), it reads the target's."""
     own_language = language if assistant.multilingual else None
     prompt = assistant.decoder_prompt(own_language)
     frames = -(-len(window) // HOP) + TAIL_FRAMES  # the audio's own frames, and a second of the padding after it
-    heard = assistant.listen(assistant.features(window), begin=len(prompt), draft_vocabulary=DRAFT_VOCABULARY,
+    same = assistant.extractor.to_dict() == target.speech.extractor.to_dict()
+    features = target.encoded.features.to(assistant.device, assistant.hf.dtype) if same else assistant.features(window)
+    heard = assistant.listen(features, begin=len(prompt), draft_vocabulary=DRAFT_VOCABULARY,
                              lazy=True, frames=frames)  # its encoder runs only if the policy lets it draft
     if assistant.costs is None:  # its passes timed once per model (kept on disk; on this first window, the encoder
         pass_costs(heard)  # runs for it): the policy's prior for its cost per token
