@@ -5,11 +5,11 @@ Contract: `SpeechService(name, model, assistant=, lookup=, early_exit=, self_dra
 (refused at construction, with a `ConfigError`, where the drafters or their weights cannot run) answers to its name
 and to OpenAI's default "whisper-1" (`answers_to`). `checked_language(code)` is the ISO-639-1 code the model decodes
 in (None: detected, or an English-only model) or a `ConfigError` naming the fix; `language_name` is a code's English
-name ("english"), as OpenAI's verbose replies give it. `await run(samples, language, prompt, temperature)` queues a
-transcription on the service's own worker thread (in order, one at a time; more than `max_waiting` behind the one
-running raise `Busy`) and returns its `speech.transcribe.Transcription`, with the target's log-probabilities. Setting
-its `stop` event (a client gone), or leaving the await early, cancels it: one not yet started never starts, one
-running stops after its current decoding step (`config.Cancelled` is raised to a caller still waiting).
+name ("english"), as OpenAI's verbose replies give it. `await run(samples, language, prompt, temperature, stop)`
+queues a transcription on the service's own worker thread (in order, one at a time; more than `max_waiting` behind
+the one running raise `Busy`) and returns its `speech.transcribe.Transcription`, with the target's log-probabilities.
+Setting its `stop` event (a client gone), or leaving the await early, cancels it: one not yet started never starts,
+one running stops after its current decoding step (`config.Cancelled` is raised to a caller still waiting).
 `close()` lets queued transcriptions finish and stops the thread. Nothing here speaks HTTP.
 """
 
