@@ -196,7 +196,7 @@ def assistant_drafter(target: HeardModel, assistant: SpeechModel, window: np.nda
     prompt = assistant.decoder_prompt(own_language)
     frames = -(-len(window) // HOP) + TAIL_FRAMES  # the audio's own frames, and a second of the padding after it
     same = assistant.extractor.to_dict() == target.speech.extractor.to_dict()
-    features = target.encoded.features.to(assistant.device, assistant.hf.dtype) if same else assistant.features(window)
+    features = target.encoded.features.to(assistant.device, assistant.dtype) if same else assistant.features(window)
     heard = assistant.listen(features, begin=len(prompt), draft_vocabulary=DRAFT_VOCABULARY,
                              lazy=True, frames=frames)  # its encoder runs only if the policy lets it draft
     if assistant.costs is None:  # its passes timed once per model (kept on disk; on this first window, the encoder

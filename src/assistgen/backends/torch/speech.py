@@ -88,6 +88,11 @@ class SpeechModel:
         return model_device(self.hf)
 
     @property
+    def dtype(self) -> torch.dtype:
+        """What its weights (and its features) are."""
+        return self.hf.dtype
+
+    @property
     def context_length(self) -> int:
         """The decoder's positions (prompt and generated tokens together)."""
         return self.hf.config.max_target_positions
