@@ -28,6 +28,19 @@ def model_device(model) -> torch.device:
     return torch.device("cpu")
 
 
+class OnDevice:
+    """For a wrapper of a torch module `hf` (`model.Model`, `speech.SpeechModel`): where its weights are, and their
+    dtype."""
+
+    @property
+    def device(self) -> torch.device:
+        return model_device(self.hf)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hf.dtype
+
+
 def resolve_device(name: str | torch.device) -> torch.device:
     """The device `name` stands for, or a `DeviceError` when this machine (or this PyTorch build) has none."""
     try:

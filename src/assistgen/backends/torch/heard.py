@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from assistgen.backends.base import Capabilities, synced
-from assistgen.backends.torch.devices import model_device
 from assistgen.backends.torch.quantize import COMPUTE, KERNEL_ROWS
 from assistgen.backends.torch.timing import clock, measurement_key
 
@@ -122,11 +121,11 @@ class HeardModel:
 
     @property
     def device(self) -> torch.device:
-        return model_device(self.speech.hf)
+        return self.speech.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.speech.hf.dtype
+        return self.speech.dtype
 
     @property
     def weight_bytes(self) -> int:
@@ -259,38 +258,22 @@ def rows_product(weight: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return (weight @ padded.T).T[: h.shape[0]]
 
 
-def query(attn, x: torch.Tensor) -> torch.Tensor:
-    """The scaled query [1, n, d] (scaled after the product, as transformers does; a drafting copy folds the scale
-    into its weights and holds scaling 1.0)."""
-    q = attn.q_proj(x)
-    return q if attn.scaling == 1.0 else q * attn.scaling
-
-
-def projections(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The self-attention's scaled query, keys and values [1, n, d]: one product where a drafting copy fused them
-    (`qkv`), else three."""
-    if getattr(attn, "qkv", None) is not None:
-        q, k, v = attn.qkv(x).chunk(3, dim=-1)
-        return q, k, v
-    return query(attn, x), attn.k_proj(x), attn.v_proj(x)
-
-
-def attention(attn, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> torch.Tensor:
-    """Whisper's attention for scaled queries `q` [1, n, d] over keys/values [1, heads, t, d_h]."""
-    out = F.scaled_dot_product_attention(heads(q, attn.num_heads), keys, values, attn_mask=mask,
-                                         scale=1.0)  # [1, heads, n, d_h]
-    return attn.out_proj(out.transpose(1, 2).reshape(q.shape))
+def attention(attn, h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> torch.Tensor:
+    """Whisper's attention for queries from `h` [1, n, d] over keys/values [1, heads, t, d_h] (query scaled first,
+    as transformers does)."""
+    q = heads(attn.q_proj(h) * attn.scaling, attn.num_heads)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0)  # [1, heads, n, d_h]
+    return attn.out_proj(out.transpose(1, 2).reshape(h.shape))
 
 
 def decoder_layer(layer, h: torch.Tensor, cache: SpeechCache, i: int, start: int, mask, cross) -> torch.Tensor:
     """One pre-norm decoder layer: self-attention over the cache, cross-attention over the input, feed-forward."""
     x = layer.self_attn_layer_norm(h)
     attn = layer.self_attn
-    q, k, v = projections(attn, x)
-    keys, values = cache.write(i, heads(k, attn.num_heads), heads(v, attn.num_heads), start)
-    h = h + attention(attn, q, keys, values, mask)
+    keys, values = cache.write(i, heads(attn.k_proj(x), attn.num_heads), heads(attn.v_proj(x), attn.num_heads), start)
+    h = h + attention(attn, x, keys, values, mask)
     x = layer.encoder_attn_layer_norm(h)
-    h = h + attention(layer.encoder_attn, query(layer.encoder_attn, x), cross[0], cross[1], None)
+    h = h + attention(layer.encoder_attn, x, cross[0], cross[1], None)
     x = layer.final_layer_norm(h)
     return h + layer.fc2(layer.activation_fn(layer.fc1(x)))
 

@@ -21,12 +21,12 @@ import torch
 from assistgen.backends.base import Capabilities, Feed
 from assistgen.backends.torch import layers
 from assistgen.backends.torch.cache import KVCache, feed_together
-from assistgen.backends.torch.devices import model_device
+from assistgen.backends.torch.devices import OnDevice
 from assistgen.backends.torch.timing import clock, measurement_key
 
 
 @dataclass(eq=False)
-class Model:
+class Model(OnDevice):
     """A loaded causal LM: the Hugging Face module, its tokenizer and what decoding needs to know."""
 
     hf: torch.nn.Module
@@ -76,14 +76,6 @@ class Model:
             if value is not None:
                 return tuple(int(i) for i in (value if isinstance(value, (list, tuple)) else [value]))
         return ()
-
-    @property
-    def device(self) -> torch.device:
-        return model_device(self.hf)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.hf.dtype
 
     @property
     def weight_bytes(self) -> int:

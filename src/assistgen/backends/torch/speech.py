@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from assistgen.backends.embedded import ModelLoadError
-from assistgen.backends.torch.devices import model_device
+from assistgen.backends.torch.devices import OnDevice, model_device
 from assistgen.backends.torch.heard import DRAFT_VOCABULARY, HeadRows, HeardModel, heads
 from assistgen.backends.torch.quantize import quantized_linear
 from assistgen.backends.torch.timing import clock
@@ -43,7 +43,7 @@ ROUTE_CONTEXT = 32  # the decoder positions before the passes route tuning times
 
 
 @dataclass(eq=False)
-class SpeechModel:
+class SpeechModel(OnDevice):
     """A loaded Whisper: the Hugging Face module, its tokenizer and feature extractor."""
 
     hf: torch.nn.Module
@@ -81,16 +81,6 @@ class SpeechModel:
         from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
         return {code: LANGUAGES.get(code, code) for code in self.languages}
-
-    @property
-    def device(self) -> torch.device:
-        """Where its weights are."""
-        return model_device(self.hf)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """What its weights (and its features) are."""
-        return self.hf.dtype
 
     @property
     def context_length(self) -> int:
