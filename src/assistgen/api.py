@@ -26,7 +26,7 @@ from jinja2 import TemplateError
 
 from assistgen.backends.base import LanguageModel
 from assistgen.backends.loader import LoadSettings, load
-from assistgen.config import Cancelled, ConfigError, GenerationConfig, Structure
+from assistgen.config import Cancelled, ConfigError, GenerationConfig, Structure, check_cancelled
 from assistgen.core.engine import stream as run_loop
 from assistgen.core.logprobs import TokenLogprob
 from assistgen.core.prefix import PrefixCache, check_capacity, default_capacity
@@ -353,6 +353,7 @@ def generate(
 ) -> Generation:
     """Generate a continuation of `prompt`; same arguments as `stream`, and `cancelled`: asked after every
     verification step; once it answers True the generation stops there and raises `Cancelled` (a caller gone)."""
+    check_cancelled(cancelled)
     target = as_model(model)
     prompt_ids = encode_prompt(target, prompt, chat)
     tokens: list[int] = []

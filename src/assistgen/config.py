@@ -24,6 +24,13 @@ class Cancelled(Exception):
     """A generation (or transcription) stopped because its caller's `cancelled()` said so."""
 
 
+def check_cancelled(cancelled) -> None:
+    """`cancelled` must be None or a callable taking nothing (asked between steps: True stops the generation)."""
+    if cancelled is not None and not callable(cancelled):
+        raise ConfigError(f"cancelled must be a callable taking no arguments that returns True to stop (e.g. "
+                          f"threading.Event().is_set), got {type(cancelled).__name__}.")
+
+
 @dataclass(frozen=True)
 class Structure:
     """What the output must match: "json_object" (any JSON object), "json_schema" (`spec`: the schema's JSON text),

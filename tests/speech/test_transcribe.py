@@ -213,6 +213,8 @@ def test_a_transcription_stops_when_its_caller_cancels(whisper_base, clip):
         transcribe(whisper_base, clip, language="en", cancelled=cancelled)
     assert len(asked) == 4  # it stopped at once: three steps decoded, not the whole transcript
     assert transcribe(whisper_base, clip, language="en", cancelled=lambda: False).text  # never cancelled: the text
+    with pytest.raises(ConfigError, match="cancelled must be a callable"):
+        transcribe(whisper_base, clip, language="en", cancelled=True)
 
 
 def test_an_assistant_extracting_the_same_features_reads_the_targets(whisper_base, whisper_tiny_en, clip):

@@ -38,7 +38,7 @@ from assistgen.backends.torch.speech import (
     SpeechModel,
     load_speech,
 )
-from assistgen.config import Cancelled, ConfigError
+from assistgen.config import Cancelled, ConfigError, check_cancelled
 from assistgen.drafters.assistant import AssistantDrafter, agreement, same_tokenizer
 from assistgen.drafters.early_exit import calibrate_exit_layer
 from assistgen.drafters.universal import UniversalDrafter
@@ -216,6 +216,7 @@ def transcribe(model, audio, assistant=None, language: str | None = None, prompt
     "float"): the weights of a drafting model (the assistant, the self-draft); `logprobs`: keep each window's token
     log-probabilities (`Window.logprobs`); `cancelled`: asked before each window and after each decoding step; once
     it answers True the transcription stops and raises `config.Cancelled` (a server's client gone)."""
+    check_cancelled(cancelled)
     samples = read_audio(audio, max_seconds, name=str(audio) if isinstance(audio, (str, os.PathLike)) else "the audio")
     speech = as_speech_model(model)
     helper = None if assistant is None else as_speech_model(assistant)
