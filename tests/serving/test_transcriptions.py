@@ -48,46 +48,66 @@ def expected(clip):
     return transcribe(SPEECH, clip, logprobs=True)
 
 
+@pytest.fixture(scope="module")
+def expected_timed(clip):
+    """The same with timestamps (what verbose_json, srt and vtt decode)."""
+    return transcribe(SPEECH, clip, logprobs=True, timestamps=True)
+
+
 def transcribed(client: openai.OpenAI, clip: str, **kwargs):
     with open(clip, "rb") as f:
         return client.audio.transcriptions.create(file=f, **kwargs)
 
 
-def test_every_format_gives_the_librarys_transcript_and_the_metrics_count_it(served, clip, expected):
+def test_every_format_gives_the_librarys_transcript_and_the_metrics_count_it(served, clip, expected, expected_timed):
     client = openai_client(served, "key")
     before = scrape(served)
     as_json = transcribed(client, clip, model=SPEECH)
     as_text = transcribed(client, clip, model="whisper-1", response_format="text")  # (clients' default name)
-    verbose = transcribed(client, clip, model=SPEECH, response_format="verbose_json", language="en", temperature=0)
+    verbose = transcribed(client, clip, model=SPEECH, response_format="verbose_json", language="en", temperature=0,
+                          timestamp_granularities=["segment"])
+    srt = transcribed(client, clip, model=SPEECH, response_format="srt")
+    vtt = transcribed(client, clip, model=SPEECH, response_format="vtt")
     after = scrape(served)
 
     assert expected.text.lower().startswith("the quick brown fox")
-    assert as_json.text == as_text == verbose.text == expected.text
+    assert as_json.text == as_text == expected.text
+    assert verbose.text == expected_timed.text and expected_timed.text.lower().startswith("the quick brown fox")
     assert verbose.language == "english" and verbose.duration == pytest.approx(expected.duration_s, abs=1e-3)
-    (segment,) = verbose.segments
-    window = expected.windows[0]
-    assert (segment.id, segment.seek, segment.start, segment.temperature) == (0, 0, 0.0, 0.0)
-    assert segment.end == pytest.approx(expected.duration_s, abs=1e-3) and segment.text == window.text
-    assert segment.tokens == window.token_ids[:-1]  # the text's tokens (the end token last, left out)
-    assert segment.avg_logprob == pytest.approx(window.avg_logprob, abs=1e-4) and segment.avg_logprob < 0
-    assert 0 < segment.compression_ratio < 2.4 and segment.no_speech_prob is None
-    stats = verbose.model_extra["assistgen"]
-    assert stats == {**as_json.model_extra["assistgen"], "decoder_s": stats["decoder_s"]}  # (greedy: the same drafts)
+    timed = expected_timed.segments
+    assert len(verbose.segments) == len(timed) >= 2  # the model's own segments, between its timestamps
+    first = 50364  # <|0.00|>: the timestamps, left out of a segment's tokens
+    for i, (segment, want) in enumerate(zip(verbose.segments, timed, strict=True)):
+        assert (segment.id, segment.seek, segment.temperature) == (i, 0, 0.0)
+        assert (segment.start, segment.end) == (round(want.start_s, 3), round(want.end_s, 3))
+        assert segment.text == want.text and segment.tokens == [t for t in want.token_ids if t < first]
+        assert segment.avg_logprob == pytest.approx(want.avg_logprob, abs=1e-4) and segment.avg_logprob < 0
+        assert 0 < segment.compression_ratio < 2.4 and segment.no_speech_prob is None
+    assert 0 == verbose.segments[0].start < verbose.segments[0].end <= verbose.segments[1].start
+    assert verbose.segments[-1].end <= expected.duration_s + 0.02
+    cues = srt.strip().split("\n\n")
+    assert len(cues) == len(timed) and cues[0].startswith("1\n00:00:00,000 --> 00:00:0")
+    assert cues[1].split("\n")[2] == timed[1].text.strip()
+    assert vtt.startswith("WEBVTT\n\n00:00:00.000 --> ") and timed[-1].text.strip() in vtt
+    stats = as_json.model_extra["assistgen"]
+    timed_stats = verbose.model_extra["assistgen"]
     assert stats["drafted"] > 0 and 0 < stats["accepted"] <= stats["drafted"] and stats["exact"]
     assert stats["acceptance_rate"] == pytest.approx(stats["accepted"] / stats["drafted"])
-    assert stats["new_tokens"] == len(window.token_ids) and stats["steps"] > 0 and stats["decoder_s"] > 0
+    assert stats["new_tokens"] == len(expected.windows[0].token_ids) and stats["steps"] > 0 and stats["decoder_s"] > 0
+    assert timed_stats["new_tokens"] == sum(len(w.token_ids) for w in expected_timed.windows)
+    assert timed_stats["drafted"] > 0  # the timestamped windows were drafted too
     assert as_json.usage.seconds == pytest.approx(expected.duration_s, abs=1e-3)
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
-    assert delta(f"{REQUESTS}[200]") == 3
-    assert delta("assistgen:transcription_audio_seconds_total") == pytest.approx(3 * expected.duration_s, abs=1e-3)
-    assert delta("assistgen:transcription_spec_decode_num_draft_tokens_total") == 3 * stats["drafted"]
-    assert delta("assistgen:transcription_spec_decode_num_accepted_tokens_total") == 3 * stats["accepted"]
-    assert delta("assistgen:transcription_spec_decode_num_drafts_total") == 3 * stats["draft_steps"]
-    assert delta("assistgen:transcription_generation_tokens_total") == 3 * stats["new_tokens"]
-    assert delta("assistgen:transcription_seconds_count") == 3
+    assert delta(f"{REQUESTS}[200]") == 5
+    assert delta("assistgen:transcription_audio_seconds_total") == pytest.approx(5 * expected.duration_s, abs=1e-3)
+    for name, key in [("spec_decode_num_draft_tokens", "drafted"), ("spec_decode_num_accepted_tokens", "accepted"),
+                      ("spec_decode_num_drafts", "draft_steps"), ("generation_tokens", "new_tokens")]:
+        # (greedy: each format's requests draft the same; srt and vtt decode as verbose_json does)
+        assert delta(f"assistgen:transcription_{name}_total") == 2 * stats[key] + 3 * timed_stats[key], name
+    assert delta("assistgen:transcription_seconds_count") == 5
     listed = [m["id"] for m in httpx.get(f"{served}/v1/models", timeout=10).json()["data"]]
     assert listed == [TEXT, SPEECH] and client.models.retrieve(SPEECH).model_extra["max_model_len"] == 448
 
@@ -180,8 +200,11 @@ def test_bad_requests_are_refused_naming_the_problem(served, clip):
         ({}, audio, 400, "model", f"give the speech model's name, {SPEECH}"),
         ({"model": "gpt-4o-transcribe"}, audio, 404, "model", f"transcribes with '{SPEECH}'"),
         ({"model": TEXT}, audio, 404, "model", "is this server's text model"),
-        ({**ok, "response_format": "srt"}, audio, 400, "response_format", "json, text or verbose_json"),
-        ({**ok, "timestamp_granularities[]": "word"}, audio, 400, "timestamp_granularities[]", "no timestamps"),
+        ({**ok, "response_format": "xml"}, audio, 400, "response_format", "json, text, verbose_json, srt, vtt"),
+        ({**ok, "response_format": "verbose_json", "timestamp_granularities[]": "word"}, audio, 400,
+         "timestamp_granularities[]", "word timestamps are not computed"),
+        ({**ok, "timestamp_granularities[]": "segment"}, audio, 400, "timestamp_granularities[]",
+         "needs response_format=verbose_json"),
         ({**ok, "include[]": "logprobs"}, audio, 400, "include[]", "not returned"),
         ({**ok, "stream": "true"}, audio, 400, "stream", "not supported"),
         ({**ok, "speed": "2"}, audio, 400, "speed", "not a field of this endpoint"),
@@ -196,7 +219,7 @@ def test_bad_requests_are_refused_naming_the_problem(served, clip):
     not_a_form = httpx.post(f"{served}/v1/audio/transcriptions", json={"model": SPEECH}, timeout=30)
     assert_refused(not_a_form, 400, "file", "Send the audio as multipart/form-data")
     client = openai_client(served, "key")
-    with pytest.raises(openai.BadRequestError, match="no timestamps"):
+    with pytest.raises(openai.BadRequestError, match="word timestamps are not computed"):
         transcribed(client, clip, model=SPEECH, response_format="verbose_json", timestamp_granularities=["word"])
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         transcribed(client, clip, model="gpt-4o-transcribe")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -115,14 +114,16 @@ def test_an_assistants_encoder_is_priced_before_it_runs(whisper_base, whisper_ti
     transcribe(whisper_base, clip, language="en", assistant=whisper_tiny_en, draft_weights="float",
                schedule=Constant(k=2))  # tiny.en's encoder has run, and been timed, and its passes too
     assert whisper_tiny_en.costs is not None
-    heard = whisper_base.listen(whisper_base.features(samples), begin=4)
-    drafter = assistant_drafter(heard, whisper_tiny_en, samples, "en")  # its encoder runs when it first drafts
+    features, spoken_frames = whisper_base.features(samples), -(-samples.size // 160)
+    heard = whisper_base.listen(features, begin=4)
+    drafter = assistant_drafter(heard, whisper_tiny_en, features, spoken_frames, "en")  # its encoder runs when it
+    # first drafts
     pending = drafter.model.startup_s
     assert 0 < pending == pytest.approx(whisper_tiny_en.encoder_s_per_frame * drafter.model.encoded.frames_read)
     assert drafter.model.encoded.frames_read == -(-samples.size // 160) + 100  # the audio and a second of padding
     drafter.model.encoded.layers()
     assert drafter.model.startup_s == 0.0  # encoded: nothing left to pay
-    assert expected_tokens(samples) == int(samples.size / 16000 * 4.0) + 1  # what the policy prices it against
+    assert expected_tokens(spoken_frames) == int(spoken_frames / 100 * 4.0) + 1  # what the policy prices it against
 
 
 def test_the_assistant_drafts_in_int8_by_default(whisper_base, whisper_tiny_en, clip):
@@ -147,14 +148,72 @@ def test_the_language_is_detected_as_transformers_does(whisper_base, clip):
     assert int(detected[0]) == whisper_base.languages["en"]
 
 
-def test_long_audio_is_decoded_in_windows(whisper_base, clip):
+def long_form(speech, samples, **kwargs) -> tuple[list[int], list[tuple[float, float]], str]:
+    """transformers' generate() with timestamps (long-form over 30 s, as its docs feed it: the features of the whole
+    audio, uncut): its segments' tokens, their times, the text."""
+    features = speech.long_features(samples) if samples.size > 16000 * 30 else speech.features(samples)
+    with torch.inference_mode():
+        out = speech.hf.generate(features, language="en", task="transcribe", return_timestamps=True,
+                                 return_segments=True, **kwargs)
+    segments = out["segments"][0]
+    tokens = [t for segment in segments for t in segment["tokens"].tolist()]
+    return tokens, [(float(s["start"]), float(s["end"])) for s in segments], \
+        speech.tokenizer.decode(out["sequences"][0].tolist(), skip_special_tokens=True).strip()
+
+
+def timestamped(out) -> tuple[list[int], list[tuple[float, float]], str]:
+    return [t for s in out.segments for t in s.token_ids], [(s.start_s, s.end_s) for s in out.segments], out.text
+
+
+LONG_DRAFTERS = ["plain", "lookup", "early-exit", "assistant (universal)", "self-draft int8"]
+
+
+@pytest.fixture(scope="module")
+def long_reference(whisper_base, long_clip):
+    samples = read_audio(long_clip)
+    assert samples.size > 16000 * 30  # long-form
+    return samples, long_form(whisper_base, samples)
+
+
+@pytest.mark.parametrize("name", LONG_DRAFTERS)
+def test_long_audio_is_decoded_as_transformers_long_form_does(whisper_base, whisper_tiny_en, long_reference, name):
+    samples, reference_out = long_reference
+    out = transcribe(whisper_base, samples, language="en", schedule=Constant(k=3), **DRAFTERS[name])
+    assert timestamped(out) == reference_out  # the same segments' tokens, the same times, the same text
+    assert len(out.windows) >= 2 and len(out.segments) >= 4
+    assert 0 < out.windows[1].start_s < 30  # the second window starts where the first one's last segment ended
+    first = whisper_base.generation.no_timestamps_token_id + 1
+    assert all(s.token_ids[0] >= first for s in out.segments)  # every segment opens with a timestamp
+    if name != "plain":
+        assert out.stats.drafted_tokens > 0  # the verification path ran on the timestamped windows
+
+
+def test_long_audio_conditioned_on_the_text_before(whisper_base, long_reference):
+    samples, _ = long_reference
+    reference_out = long_form(whisper_base, samples, condition_on_prev_tokens=True)
+    for kwargs in ({}, {"self_draft": True, "schedule": Constant(k=3)}):
+        out = transcribe(whisper_base, samples, language="en", condition_on_previous=True, **kwargs)
+        assert timestamped(out) == reference_out
+        assert out.windows[1].prompt_ids[0] == whisper_base.generation.prev_sot_token_id  # the text before it
+
+
+def test_long_audio_with_a_prompt(whisper_base, long_reference):
+    samples, _ = long_reference
+    prompt = "A history of the harbor, its warehouses and its festival."
+    prompt_ids = whisper_base.tokenizer.get_prompt_ids(prompt, return_tensors="pt")
+    reference_out = long_form(whisper_base, samples, prompt_ids=prompt_ids)
+    out = transcribe(whisper_base, samples, language="en", prompt=prompt, lookup=True)
+    assert timestamped(out) == reference_out
+    assert all(w.prompt_ids[1:1 + len(prompt_ids) - 1] == prompt_ids[1:].tolist() for w in out.windows)
+
+
+def test_short_audio_with_timestamps(whisper_base, clip):
     samples = read_audio(clip)
-    gap = np.zeros(16000 * 30 - len(samples), np.float32)  # the first window is the clip and silence: 30 s exactly
-    out = transcribe(whisper_base, np.concatenate([samples, gap, samples]), language="en")
-    assert [(w.start_s, round(w.end_s, 2)) for w in out.windows] == [(0.0, 30.0), (30.0, round(30 + len(samples) /
-                                                                                                 16000, 2))]
-    assert out.text.lower().count("lazy dog") == 2
-    assert out.windows[1].prompt_ids[0] == whisper_base.generation.prev_sot_token_id  # the first window's text before
+    reference_out = long_form(whisper_base, samples)
+    for kwargs in ({}, {"self_draft": True, "schedule": Constant(k=3)}):
+        out = transcribe(whisper_base, clip, language="en", timestamps=True, **kwargs)
+        assert timestamped(out) == reference_out
+    assert len(out.segments) >= 2 and out.segments[-1].end_s <= samples.size / 16000
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -218,10 +277,26 @@ def test_a_transcription_stops_when_its_caller_cancels(whisper_base, clip):
 
 
 def test_an_assistant_extracting_the_same_features_reads_the_targets(whisper_base, whisper_tiny_en, clip):
-    from assistgen.speech.audio import read_audio
-    from assistgen.speech.transcribe import assistant_drafter
+    from assistgen.speech.transcribe import Audio
 
-    samples = read_audio(clip)
-    heard = whisper_base.listen(whisper_base.features(samples), begin=4)
-    drafter = assistant_drafter(heard, whisper_tiny_en, samples, "en")
-    assert drafter.model.encoded.features is heard.encoded.features  # (80 mel bins both: extracted once)
+    audio = Audio(whisper_base, whisper_tiny_en, read_audio(clip), long=False)
+    assert audio.same  # (80 mel bins both)
+    assert torch.equal(audio.helper_window(0), whisper_base.window_of(audio.features, 0)[0])
+    assert audio.helper_features is None  # extracted once: the target's
+
+
+def test_the_cli_prints_the_segments(long_clip):
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "assistgen.cli.main", "transcribe", long_clip, "--self-draft",
+                          "--language", "en", "--quiet-stats"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.strip().split("\n")
+    assert len(lines) >= 4 and lines[0].startswith("[0.00 --> ") and "harbor" in lines[0]  # over 30 s: timestamps
+    run = subprocess.run([sys.executable, "-m", "assistgen.cli.main", "transcribe", long_clip, "--json",
+                          "--language", "en", "--quiet-stats"], capture_output=True, text=True, timeout=600)
+    out = json.loads(run.stdout)
+    assert [s["text"].strip() for s in out["segments"]] == [line.split("] ", 1)[1] for line in lines]
+    assert len(out["windows"]) >= 2 and out["segments"][-1]["end"] <= out["duration"]

@@ -1,7 +1,8 @@
 """`assistgen transcribe FILE`: speech to text with a Whisper target and any drafter, then statistics.
 
 Contract: parses arguments into `speech.transcribe`'s (unset options are not passed), prints the transcript on
-standard output (text, or with --json the windows and statistics) and the statistics on standard error.
+standard output (text; with --timestamps each segment as `[start --> end] text`; with --json the segments, windows
+and statistics) and the statistics on standard error.
 """
 
 from __future__ import annotations
@@ -31,9 +32,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          help="self-drafting with the target's own decoder in quantized weights (on the CPU)")
     p.add_argument("--draft-weights", choices=("auto", "int8", "int4", "float"),
                    help="the weights a drafting model runs in (default auto: int8 on the CPU)")
+    p.add_argument("--timestamps", action="store_true",
+                   help="decode with timestamps and print the segments (always so for audio over 30 s)")
+    p.add_argument("--condition-on-previous", action="store_true",
+                   help="with timestamps, each 30 s window continues the text before it (transformers' "
+                        "condition_on_prev_tokens)")
     p.add_argument("--temperature", type=float, help="0 (default) is greedy")
     p.add_argument("--seed", type=int)
-    p.add_argument("--json", action="store_true", help="print the windows and statistics as JSON")
+    p.add_argument("--json", action="store_true", help="print the segments, windows and statistics as JSON")
     p.add_argument("--quiet-stats", action="store_true", help="do not print statistics")
 
 
@@ -44,15 +50,20 @@ def run_command(args: argparse.Namespace) -> int:
                if (v := getattr(args, k)) is not None}
     out = transcribe(args.model, audio, lookup=args.lookup, ngram_cache=args.ngram_cache,
                      early_exit=args.early_exit or False, self_draft=args.self_draft,
-                     task="translate" if args.translate else "transcribe",
-                     **options)
+                     task="translate" if args.translate else "transcribe", timestamps=args.timestamps,
+                     condition_on_previous=args.condition_on_previous, **options)
     stats = out.stats
     if args.json:
         print(json.dumps({"text": out.text, "language": out.language, "duration": round(out.duration_s, 3),
+                          "segments": [{"start": round(g.start_s, 3), "end": round(g.end_s, 3), "text": g.text,
+                                        "tokens": g.token_ids} for g in out.segments],
                           "windows": [{"start": w.start_s, "end": w.end_s, "text": w.text, "tokens": w.token_ids}
                                       for w in out.windows],
                           "stats": {"steps": stats.steps, "drafted": stats.drafted_tokens,
                                     "accepted": stats.accepted_tokens, "decoder_s": round(stats.total_s, 4)}}))
+    elif out.timestamps:  # (asked for, or audio over 30 s)
+        for g in out.segments:
+            print(f"[{g.start_s:.2f} --> {g.end_s:.2f}] {g.text.strip()}")
     else:
         print(out.text)
     if not args.quiet_stats:

@@ -2,15 +2,15 @@
 transcription uses, and the one thread transcriptions run on, one at a time, off the event loop.
 
 Contract: `SpeechService(name, model, assistant=, lookup=, early_exit=, self_draft=, draft_weights=, schedule=)`
-(refused at construction, with a `ConfigError`, where the drafters or their weights cannot run) answers to its name
-and to OpenAI's default "whisper-1" (`answers_to`). `checked_language(code)` is the ISO-639-1 code the model decodes
-in (None: detected, or an English-only model) or a `ConfigError` naming the fix; `language_name` is a code's English
-name ("english"), as OpenAI's verbose replies give it. `await run(samples, language, prompt, temperature, stop)`
-queues a transcription on the service's own worker thread (in order, one at a time; more than `max_waiting` behind
-the one running raise `Busy`) and returns its `speech.transcribe.Transcription`, with the target's log-probabilities.
-Setting its `stop` event (a client gone), or leaving the await early, cancels it: one not yet started never starts,
-one running stops after its current decoding step (`config.Cancelled` is raised to a caller still waiting).
-`close()` lets queued transcriptions finish and stops the thread. Nothing here speaks HTTP.
+(refused at construction, with a `ConfigError`, where the drafters or their weights cannot run) answers to its name and
+to OpenAI's default "whisper-1" (`answers_to`). `checked_language(code)` is the ISO-639-1 code the model decodes in
+(None: detected, or an English-only model) or a `ConfigError` naming the fix; `language_name` is a code's English name
+("english"), as OpenAI's verbose replies give it. `await run(samples, language, prompt, temperature, stop, timestamps)`
+queues a transcription on the service's own worker thread (in order, one at a time; more than `max_waiting` behind the
+one running raise `Busy`) and returns its `speech.transcribe.Transcription`, with the target's log-probabilities.
+Setting its `stop` event (a client gone), or leaving the await early, cancels it: one not yet started never starts, one
+running stops after its current decoding step (`config.Cancelled` is raised to a caller still waiting). `close()` lets
+queued transcriptions finish and stops the thread. Nothing here speaks HTTP.
 """
 
 from __future__ import annotations
@@ -72,13 +72,13 @@ class SpeechService:
         return int(self.model.generation.eos_token_id)
 
     async def run(self, samples: np.ndarray, language: str | None, prompt: str | None, temperature: float,
-                  stop: threading.Event | None = None) -> Transcription:
+                  stop: threading.Event | None = None, timestamps: bool = False) -> Transcription:
         if self.pending > self.max_waiting:
             raise Busy(f"{self.pending} transcriptions are queued or running on this server: try again shortly.")
         stop = stop if stop is not None else threading.Event()
         self.pending += 1
         try:
-            future = self.worker.submit(self.transcribe, samples, language, prompt, temperature, stop)
+            future = self.worker.submit(self.transcribe, samples, language, prompt, temperature, stop, timestamps)
             try:
                 return await asyncio.wrap_future(future)
             except asyncio.CancelledError:
@@ -88,11 +88,11 @@ class SpeechService:
             self.pending -= 1
 
     def transcribe(self, samples: np.ndarray, language: str | None, prompt: str | None, temperature: float,
-                   stop: threading.Event | None = None) -> Transcription:
+                   stop: threading.Event | None = None, timestamps: bool = False) -> Transcription:
         return transcribe(self.model, samples, assistant=self.assistant, language=language, prompt=prompt,
                           lookup=self.lookup, early_exit=self.early_exit, self_draft=self.self_draft,
-                          draft_weights=self.draft_weights, schedule=self.schedule,
-                          temperature=temperature, logprobs=True, cancelled=None if stop is None else stop.is_set)
+                          draft_weights=self.draft_weights, schedule=self.schedule, temperature=temperature,
+                          logprobs=True, timestamps=timestamps, cancelled=None if stop is None else stop.is_set)
 
     def close(self) -> None:
         self.worker.shutdown(wait=True)

@@ -1,21 +1,24 @@
 """POST /v1/audio/transcriptions: OpenAI's transcription endpoint over the served speech model (`SpeechService`).
 
 Contract: the request is a multipart form as OpenAI defines it: `file` (the audio, required), `model` (required: the
-served speech model's name, or "whisper-1"), `language` (ISO-639-1), `prompt`, `response_format` (json, text or
-verbose_json) and `temperature` (0..1; 0 is greedy). The fields OpenAI defines that this server does not do
-(`timestamp_granularities[]`, `include[]`, `chunking_strategy`, the diarization speakers, `stream` unless false) and
-any other field are a 400 naming them: a field accepted and ignored would be a silent wrong answer. A body or file
-over `ServerSettings.max_upload_bytes` is a 413 naming the limit; an empty file, one that is not audio, and audio
-over `max_audio_seconds` are 400s with `speech.audio`'s message; a server without a speech model answers 404 saying
-how to start one. Everything is checked before the transcription queues, and the audio is decoded on a worker
-thread, never on the event loop. Replies: json `{"text", "usage", "assistgen"}`; text: the transcript as text/plain;
-verbose_json: OpenAI's `{"task", "language" (its English name), "duration", "text", "segments"}`, one segment per
-30 s window (`avg_logprob` from the target's log-probabilities, `compression_ratio` as Whisper computes it,
-`no_speech_prob` null: not computed), with `usage` and `assistgen`: the speculation statistics (`statistics`, the
-names `assistgen transcribe --json` prints). A client that goes away while its transcription waits or runs stops it
-(after its current decoding step), counted as status 499. A full queue is a 429. Every answer is counted by status
-in the metrics, and each
-transcription's figures (`metrics.TranscriptionMetrics`); `openapi_form` is the form in the app's OpenAPI schema.
+served speech model's name, or "whisper-1"), `language` (ISO-639-1), `prompt`, `response_format` (json, text,
+verbose_json, srt or vtt), `temperature` (0..1; 0 is greedy) and `timestamp_granularities[]` ("segment", with
+verbose_json only, as OpenAI takes it). The fields OpenAI defines that this server does not do (word timestamps,
+`include[]`, `chunking_strategy`, the diarization speakers, `stream` unless false) and any other field are a 400
+naming them: a field accepted and ignored would be a silent wrong answer. A body or file over
+`ServerSettings.max_upload_bytes` is a 413 naming the limit; an empty file, one that is not audio, and audio over
+`max_audio_seconds` are 400s with `speech.audio`'s message; a server without a speech model answers 404 saying how to
+start one. Everything is checked before the transcription queues, and the audio is decoded on a worker thread, never
+on the event loop. verbose_json, srt and vtt are decoded with timestamps (`transcribe(timestamps=True)`), json and
+text without them where the audio fits one 30 s window (longer audio always has them), as transformers decodes.
+Replies: json `{"text", "usage", "assistgen"}`; text: the transcript as text/plain; srt and vtt: the segments as
+cues; verbose_json: OpenAI's `{"task", "language" (its English name), "duration", "text", "segments"}`, the segments
+between the model's timestamps (`avg_logprob` from the target's log-probabilities, `compression_ratio` as Whisper
+computes it, `no_speech_prob` null: not computed), with `usage` and `assistgen`: the speculation statistics
+(`statistics`, the names `assistgen transcribe --json` prints). A client that goes away while its transcription
+waits or runs stops it (after its current decoding step), counted as status 499. A full queue is a 429. Every answer
+is counted by status in the metrics, and each transcription's figures (`metrics.TranscriptionMetrics`);
+`openapi_form` is the form in the app's OpenAPI schema.
 """
 
 from __future__ import annotations
@@ -44,15 +47,16 @@ from assistgen.speech.transcribe import Transcription
 from assistgen.stats import Stats
 
 TAKEN = ("file", "model", "language", "prompt", "response_format", "temperature")
-FORMATS = ("json", "text", "verbose_json")
-NO_TIMESTAMPS = "this server produces no timestamps (its segments are the 30 s windows): leave it out."
+GRANULARITIES = ("timestamp_granularities[]", "timestamp_granularities")  # each may be given once per value
+FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
+TIMED = ("verbose_json", "srt", "vtt")  # the formats decoded with timestamps, into segments
 NO_SPEAKERS = "speakers are not told apart (no diarization): leave it out."
 # Fields OpenAI defines that this endpoint does not do: refused, with why (`stream` is taken as "false").
 REFUSED = {
-    "timestamp_granularities[]": NO_TIMESTAMPS, "timestamp_granularities": NO_TIMESTAMPS,
     "include[]": "token log-probabilities are not returned: leave it out.",
     "include": "token log-probabilities are not returned: leave it out.",
-    "chunking_strategy": "the audio is cut into 30 s windows, not at pauses: leave it out.",
+    "chunking_strategy": "the audio is decoded in 30 s windows that move on at the model's own timestamps, with no "
+                         "separate voice detection: leave it out.",
     "known_speaker_names[]": NO_SPEAKERS, "known_speaker_references[]": NO_SPEAKERS,
     "stream": "streamed transcriptions are not supported: leave it out, or give false.",
 }
@@ -70,7 +74,8 @@ def openapi_form(speech: SpeechService | None) -> dict:
         "type": "object", "required": ["file", "model"], "properties": {
             "file": {"type": "string", "format": "binary"}, "model": model, "language": {"type": "string"},
             "prompt": {"type": "string"}, "response_format": {"type": "string", "enum": list(FORMATS)},
-            "temperature": {"type": "number", "minimum": 0, "maximum": 1}}}}}}}
+            "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+            "timestamp_granularities[]": {"type": "array", "items": {"type": "string", "enum": ["segment"]}}}}}}}}
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,10 @@ class Asked:
     prompt: str | None
     response_format: str
     temperature: float
+
+    @property
+    def timestamps(self) -> bool:
+        return self.response_format in TIMED
 
 
 async def transcriptions(http: HTTPRequest) -> Response:
@@ -122,7 +131,8 @@ async def transcription(state: AppState, http: HTTPRequest) -> Response:
     stop = threading.Event()
     watcher = asyncio.create_task(stop_when_gone(http, stop))
     try:
-        result = await service.run(samples, asked.language, asked.prompt, asked.temperature, stop)
+        result = await service.run(samples, asked.language, asked.prompt, asked.temperature, stop,
+                                   timestamps=asked.timestamps)
     except Busy as e:
         raise APIError(429, str(e), "rate_limit_error") from e
     except ConfigError as e:
@@ -163,7 +173,7 @@ async def read_form(http: HTTPRequest, limit: int) -> FormData:
     if declared.isdigit() and int(declared) > limit + FORM_ROOM:
         raise too_large(int(declared), limit, "the request")
     parser = MultiPartParser(http.headers, capped(http.stream(), limit + FORM_ROOM, limit), max_files=1,
-                             max_fields=len(TAKEN) + len(REFUSED), max_part_size=FIELD_BYTES)
+                             max_fields=len(TAKEN) + len(REFUSED) + 2 * len(GRANULARITIES), max_part_size=FIELD_BYTES)
     try:
         return await parser.parse()
     except MultiPartException as e:
@@ -200,8 +210,9 @@ def checked(form: FormData, service: SpeechService, text_model: str) -> Asked:
                        f"called {', '.join(ALIASES)}).", "not_found_error", "model", "model_not_found")
     response_format = text_field(form, "response_format") or "json"
     if response_format not in FORMATS:
-        raise APIError(400, f"response_format: give json, text or verbose_json, not {response_format!r} (this "
-                       "server produces no timestamps, which srt and vtt need).", param="response_format")
+        raise APIError(400, f"response_format: give one of {', '.join(FORMATS)}, not {response_format!r}.",
+                       param="response_format")
+    check_granularities(form, response_format)
     try:
         language = service.checked_language(text_field(form, "language"))
     except ConfigError as e:
@@ -215,11 +226,28 @@ def checked(form: FormData, service: SpeechService, text_model: str) -> Asked:
     return Asked(upload, language, text_field(form, "prompt"), response_format, temperature_of(form))
 
 
+def check_granularities(form: FormData, response_format: str) -> None:
+    """`timestamp_granularities[]`: "segment" (verbose_json's segments, always given) and only with verbose_json, as
+    OpenAI takes it; "word" is a 400 (no word timestamps here)."""
+    for name in GRANULARITIES:
+        for value in form.getlist(name):
+            if not isinstance(value, str) or value not in ("segment", "word"):
+                raise APIError(400, f"{name}: give segment, not {value!r}.", param=name)
+            if response_format != "verbose_json":
+                raise APIError(400, f"{name} needs response_format=verbose_json (got {response_format}).", param=name)
+            if value == "word":
+                raise APIError(400, f"{name}: word timestamps are not computed (segments are): give segment, or "
+                               "leave it out.", param=name)
+
+
 def refuse_fields(form: FormData) -> None:
     """A 400 naming the first field given twice, refused (REFUSED) or unknown."""
     names = [name for name, _ in form.multi_items()]
     for name, value in form.multi_items():
-        if name in TAKEN:
+        if name in GRANULARITIES:
+            if names.count(name) > 2:
+                raise APIError(400, f"{name} is given {names.count(name)} times: give each value once.", param=name)
+        elif name in TAKEN:
             if names.count(name) > 1:
                 raise APIError(400, f"{name} is given {names.count(name)} times: give it once.", param=name)
         elif name == "stream" and isinstance(value, str) and value.strip().lower() == "false":
@@ -263,6 +291,8 @@ async def file_bytes(upload: UploadFile, limit: int) -> bytes:
 def reply(result: Transcription, asked: Asked, service: SpeechService) -> Response:
     if asked.response_format == "text":
         return PlainTextResponse(result.text)
+    if asked.response_format in ("srt", "vtt"):
+        return PlainTextResponse(subtitles(result, asked.response_format))
     usage = {"type": "duration", "seconds": round(result.duration_s, 3)}
     if asked.response_format == "json":
         return JSONResponse({"text": result.text, "usage": usage, "assistgen": statistics(result.stats)})
@@ -273,11 +303,31 @@ def reply(result: Transcription, asked: Asked, service: SpeechService) -> Respon
 
 
 def segments(result: Transcription, temperature: float, end_token: int) -> list[dict]:
-    """One verbose_json segment per window (its tokens: the text's, without the end token)."""
-    return [{"id": i, "seek": round(w.start_s * FRAMES_PER_SECOND), "start": w.start_s, "end": round(w.end_s, 3),
-             "text": w.text, "tokens": [t for t in w.token_ids if t < end_token], "temperature": temperature,
-             "avg_logprob": w.avg_logprob, "compression_ratio": compression_ratio(w.text), "no_speech_prob": None}
-            for i, w in enumerate(result.windows)]
+    """verbose_json's segments: the model's own, between its timestamps (`seek`: the first mel frame of the window
+    each was decoded in; its tokens: the text's, timestamps left out)."""
+    out = []
+    for window in result.windows:
+        for segment in window.segments:
+            out.append({"id": len(out), "seek": round(window.start_s * FRAMES_PER_SECOND),
+                        "start": round(segment.start_s, 3), "end": round(segment.end_s, 3), "text": segment.text,
+                        "tokens": [t for t in segment.token_ids if t < end_token], "temperature": temperature,
+                        "avg_logprob": segment.avg_logprob, "compression_ratio": compression_ratio(segment.text),
+                        "no_speech_prob": None})
+    return out
+
+
+def subtitles(result: Transcription, kind: str) -> str:
+    """The segments as SubRip (srt) or WebVTT (vtt) cues."""
+    separator = "," if kind == "srt" else "."
+
+    def clock(seconds: float) -> str:
+        ms = round(seconds * 1000)
+        return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}{separator}{ms % 1000:03d}"
+
+    cues = [f"{clock(s.start_s)} --> {clock(s.end_s)}\n{s.text.strip()}\n" for s in result.segments]
+    if kind == "srt":
+        return "\n".join(f"{i}\n{cue}" for i, cue in enumerate(cues, 1))
+    return "WEBVTT\n\n" + "\n".join(cues)
 
 
 def compression_ratio(text: str) -> float:

@@ -1,23 +1,27 @@
 """Transcription: audio through a Whisper target, decoded by the one generation loop with any drafter.
 
-Contract: `transcribe(model, audio, ...)` reads the audio (`audio.read_audio`), cuts it into consecutive windows of
-at most 30 s, and for each one runs the encoder once (`SpeechModel.listen`) and the generation loop (`api.generate`)
-on the decoder conditioned on it, with the drafters asked for: prompt lookup, the n-gram cache, early exit (the
-target's own first decoder layers, on the same encoder output), the self-draft (the target's own decoder in
-quantized weights, on the same encoder output; the policy starts from its agreement with the target and its pass
-time, measured once per model on the calibration text), or an assistant Whisper (its own encoder on the same
-window's audio, run at its first draft and only over the audio itself and a second after it; another tokenizer
-switches to universal mode, the assistant starting from its own decoder prompt). A drafting model runs in
-`draft_weights` (default: int8 on the CPU, `SpeechModel.for_drafting`); they change how many drafts are accepted,
-never the output. The policy prices one-off costs (an assistant's encoder) against the transcript's expected length
-(`expected_tokens`, from the window's duration). The decoder prompt is transformers' short-form one
-(`SpeechModel.decoder_prompt`: the `prompt` text as earlier context, its last tokens only, half the decoder's
-context less one, as Whisper keeps them; the language, the task, no timestamps); a multilingual model given no
-language detects it from the first window as `generate()` does (the most likely language token after
-<|startoftranscript|>). Each later window gets the text of the one before as its earlier context. Greedy output per
-window is the target's own (what `generate()` gives on the same features and decoder prompt); sampling follows its
-distribution; `logprobs=True` keeps each generated token's log-probability (the target's). Names of speech models
-are resolved once per process (`as_speech_model`). Bad input raises `ConfigError` or `AudioError` naming the fix.
+Contract: `transcribe(model, audio, ...)` reads the audio (`audio.read_audio`) and decodes it as transformers'
+`generate()` does: audio of at most 30 s in one window without timestamps (short-form), unless `timestamps` are
+asked for; longer audio, or any with `timestamps`, by transformers' sequential long-form decoding (`split_segments`):
+a 30 s window from the current frame, decoded with Whisper's timestamp rules (`heard.TimestampRules`), cut into
+segments at each pair of timestamps, the next window starting at the last pair (or after the window, where it ends
+on a single timestamp), each window's decoder prompt holding the `prompt` text (or, with `condition_on_previous`,
+the segments so far). Each window runs the encoder once (`SpeechModel.listen`) and the generation loop
+(`api.generate`) on the decoder conditioned on it, with the drafters asked for: prompt lookup, the n-gram cache,
+early exit (the target's own first decoder layers, on the same encoder output), the self-draft (the target's own
+decoder in quantized weights, on the same encoder output; the policy starts from its agreement with the target and
+its pass time, measured once per model on the calibration text), or an assistant Whisper (its own encoder on the
+same window's audio, run at its first draft and only over the audio itself and a second after it; another
+tokenizer switches to universal mode, the assistant starting from its own decoder prompt without timestamps). A
+drafting model runs in `draft_weights` (default: int8 on the CPU, `SpeechModel.for_drafting`); they change how many
+drafts are accepted, never the output. The policy prices one-off costs (an assistant's encoder) against the
+transcript's expected length (`expected_tokens`, from the window's audio). The `prompt` is kept as Whisper keeps it
+(its last tokens only, half the decoder's context less one); a multilingual model given no language detects it from
+the first window as `generate()` does (the most likely language token after <|startoftranscript|>). Greedy output is
+the target's own (what `generate()` gives on the same features: short-form, or long-form with
+`return_timestamps=True`); sampling follows its distribution; `logprobs=True` keeps each generated token's
+log-probability (the target's). Names of speech models are resolved once per process (`as_speech_model`). Bad input
+raises `ConfigError` or `AudioError` naming the fix.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import torch
 
 from assistgen.api import generate, resolved_once
 from assistgen.backends.embedded import SPEECH
@@ -48,11 +53,31 @@ from assistgen.stats import Stats
 
 TASKS = ("transcribe", "translate")
 HOP = 160  # samples per mel frame
+FRAMES_PER_S = SAMPLE_RATE / HOP
+FEATURE_S = 0.01  # a mel frame's time step (transformers' `time_precision_features`)
+TIMESTAMP_S = 0.02  # a timestamp token's time step (`time_precision`)
+FRAMES_PER_TIMESTAMP = 2  # the encoder's input stride: mel frames per timestamp step
 DRAFT_WEIGHTS = ("auto", "int8", "int4", "float", None)
 TAIL_FRAMES = 100  # mel frames of the window's padding an assistant's encoder also reads (1 s)
 # The tokens a second of speech is expected to give (a brisk speaker: about 3 words a second, 1.3 tokens a word): the
 # length the policy prices a drafter's one-off costs against (an assistant's encoder), never a limit.
 SPOKEN_TOKENS_PER_S = 4.0
+
+
+@dataclass
+class Segment:
+    """A stretch of speech between two timestamps the model predicted (or a window without timestamps)."""
+
+    start_s: float
+    end_s: float
+    token_ids: list[int]  # its tokens, timestamps included, the end token not
+    text: str
+    logprobs: list[float] | None = None  # its tokens' log-probabilities under the target (when asked for)
+
+    @property
+    def avg_logprob(self) -> float | None:
+        """The mean log-probability of its tokens (Whisper's avg_logprob)."""
+        return sum(self.logprobs) / len(self.logprobs) if self.logprobs else None
 
 
 @dataclass
@@ -66,6 +91,10 @@ class Window:
     text: str
     stats: Stats
     logprobs: list[float] | None = None  # each generated token's log-probability under the target (when asked for)
+    language: str | None = None  # the language it was decoded in
+    frames: int = 0  # the mel frames of audio it holds
+    segments: list[Segment] = field(default_factory=list)  # what it kept: with timestamps, the segments between
+    # them (`split_segments`); without, the window itself
 
     @property
     def avg_logprob(self) -> float | None:
@@ -79,12 +108,18 @@ class Transcription:
     language: str | None  # the language decoded in (given or detected); None for an English-only model
     duration_s: float
     windows: list[Window] = field(default_factory=list)
+    timestamps: bool = False  # decoded with timestamps (asked for, or audio over 30 s): its segments are the model's
 
     @property
     def stats(self) -> Stats:
         combined = Stats.combined([w.stats for w in self.windows])
         combined.finish_reason = self.windows[-1].stats.finish_reason if self.windows else ""
         return combined
+
+    @property
+    def segments(self) -> list[Segment]:
+        """Every window's segments, in order."""
+        return [s for w in self.windows for s in w.segments]
 
 
 def load_speech_model(spec: str, device: str | None = None) -> SpeechModel:
@@ -102,10 +137,125 @@ def as_speech_model(model) -> SpeechModel:
     return resolved_once("speech", model, load_speech)
 
 
-def windows(samples: np.ndarray) -> list[tuple[int, int]]:
-    """Consecutive [start, end) sample ranges of at most 30 s covering `samples`."""
-    size = SAMPLE_RATE * WINDOW_S
-    return [(i, min(i + size, len(samples))) for i in range(0, len(samples), size)]
+class Audio:
+    """The audio as the models read it: the target's features (transformers' short-form: one window padded to 30 s;
+    long-form, over 30 s: the whole audio's, uncut), and an assistant's when it extracts others (computed on its
+    first use), each computed once per transcription."""
+
+    def __init__(self, speech: SpeechModel, helper: SpeechModel | None, samples: np.ndarray, long: bool):
+        self.speech, self.helper, self.samples, self.long = speech, helper, samples, long
+        self.features = speech.long_features(samples) if long else speech.features(samples)  # [1, mels, frames]
+        self.frames = self.features.shape[-1]  # what seeking covers (short-form: the padded window's 3000)
+        self.spoken_frames = -(-len(samples) // HOP)  # the frames that hold audio
+        self.eos = int(speech.generation.eos_token_id)
+        self.same = helper is None or helper.extractor.to_dict() == speech.extractor.to_dict()
+        self.helper_features = None
+
+    def helper_window(self, seek: int) -> torch.Tensor:
+        """The assistant's features of the window from frame `seek` [1, mels, 3000]."""
+        helper = self.helper
+        if self.same:
+            return self.speech.window_of(self.features, seek)[0].to(helper.device, helper.dtype)
+        if self.helper_features is None:
+            self.helper_features = helper.long_features(self.samples) if self.long else helper.features(self.samples)
+        return helper.window_of(self.helper_features, seek)[0]
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """One transcription's settings: how each of its windows is decoded (`window`)."""
+
+    speech: SpeechModel
+    helper: SpeechModel | None
+    task: str
+    lookup: bool
+    early_exit: bool | int
+    ngram_cache: bool | str
+    self_draft: bool
+    scheme: str | None
+    schedule: object
+    temperature: float
+    seed: int | None
+    max_new_tokens: int | None
+    logprobs: bool
+    cancelled: Callable[[], bool] | None
+
+    def window(self, audio: Audio, seek: int, language: str | None, previous: list[int],
+               timestamps: bool) -> Window:
+        """The window of `audio` from frame `seek` through the encoder (once) and the generation loop, its decoder
+        prompt holding `previous` as earlier text; a multilingual model given no language detects it here."""
+        if self.cancelled is not None and self.cancelled():
+            raise Cancelled("The transcription was cancelled by its caller.")
+        speech = self.speech
+        features, frames = speech.window_of(audio.features, seek)
+        heard = speech.listen(features, begin=0, timestamps=timestamps)  # the encoder runs here, once per window
+        if speech.multilingual and language is None:
+            language = detect_language(speech, heard)
+        ids = speech.decoder_prompt(language, self.task, previous or None, timestamps)
+        heard = replace(heard, begin=len(ids))  # the same input: begin suppression after this decoder prompt
+        room = heard.context_length - len(ids)
+        if self.max_new_tokens is not None and not 1 <= self.max_new_tokens <= room:
+            raise ConfigError(f"max_new_tokens must be in 1..{room} for this decoder prompt, got "
+                              f"{self.max_new_tokens}.")
+        spoken = max(0, min(frames, audio.spoken_frames - seek))  # the frames of it that hold audio
+        drafter = assistant_drafter(heard, self.helper, audio.helper_window(seek), spoken, language) \
+            if self.helper is not None else self_drafter(heard, self.scheme) if self.self_draft else None
+        exit_n = exit_layers(speech, heard, self.early_exit) if self.early_exit else False
+        result = generate(heard, ids, assistant=drafter, lookup=self.lookup, early_exit=exit_n,
+                          ngram_cache=self.ngram_cache, schedule=self.schedule,
+                          max_new_tokens=self.max_new_tokens or room, temperature=self.temperature,
+                          expected_new_tokens=expected_tokens(spoken), cancelled=self.cancelled, seed=self.seed,
+                          logprobs=0 if self.logprobs else None)
+        text = speech.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        kept = [lp.logprob for lp in result.logprobs] if self.logprobs else None
+        start, end = seek / FRAMES_PER_S, min(seek + frames, audio.spoken_frames) / FRAMES_PER_S
+        window = Window(start, end, ids, result.token_ids, text, result.stats, kept, language, frames)
+        if not timestamps:
+            window.segments = [Segment(start, end, [t for t in result.token_ids if t != audio.eos], text, kept)]
+        return window
+
+
+def split_segments(tokens: list[int], first: int, seek: int, frames: int, tokenizer, logprobs: list[float] | None,
+                   eos: int) -> tuple[list[Segment], int]:
+    """(the segments of a window decoded with timestamps, the frames to seek on by), as transformers' long-form
+    decoding cuts them: at each pair of consecutive timestamps; a window that ends with a single timestamp holds no
+    speech after it (all its frames are done), otherwise the text after the last pair is dropped and decoding
+    seeks to that pair; without pairs the whole window is one segment, up to its last timestamp."""
+    if tokens and tokens[-1] == eos:
+        tokens = tokens[:-1]
+    stamp = [t >= first for t in tokens]
+    offset = seek * FEATURE_S
+    single_ending = stamp[-2:] == [False, True]
+    cuts = [i + 1 for i in range(len(tokens) - 1) if stamp[i] and stamp[i + 1]]
+
+    def segment(begin: int, end: int, first_stamp: int | None, last_stamp: int) -> Segment:
+        piece = tokens[begin:end]
+        start = offset + (0.0 if first_stamp is None else (first_stamp - first) * TIMESTAMP_S)
+        return Segment(start, offset + (last_stamp - first) * TIMESTAMP_S, piece,
+                       tokenizer.decode(piece, skip_special_tokens=True),
+                       None if logprobs is None else logprobs[begin:end])
+
+    if not cuts:
+        stamps = [t for t in tokens if t >= first]
+        last = stamps[-1] if stamps and stamps[-1] != first else first + int(frames * FEATURE_S / TIMESTAMP_S)
+        return [segment(0, len(tokens), None, last)], frames
+    if single_ending:
+        cuts.append(len(tokens))
+    else:
+        cuts[-1] += 1  # (the pair's closing timestamp stays in the last segment)
+    segments, begin = [], 0
+    for i, cut in enumerate(cuts):
+        closing = -1 if i < len(cuts) - 1 or single_ending else -2
+        segments.append(segment(begin, cut, tokens[begin], tokens[begin:cut][closing]))
+        begin = cut
+    return segments, frames if single_ending else (tokens[begin - 2] - first) * FRAMES_PER_TIMESTAMP
+
+
+def previous_tokens(kept: list[list[int]], first: int, limit: int) -> list[int]:
+    """The earlier text a window is conditioned on: the segments so far (of a segment that ends with a pair of
+    timestamps, all but the last), their last `limit` tokens."""
+    joined = [t for tokens in kept for t in (tokens[:-1] if len(tokens) > 2 and tokens[-2] >= first else tokens)]
+    return joined[-limit:]
 
 
 def check_language(speech: SpeechModel, language: str | None) -> str | None:
@@ -153,9 +303,10 @@ def heard_prompt(speech: SpeechModel) -> list[int]:
     return speech.decoder_prompt("en" if speech.multilingual else None)
 
 
-def expected_tokens(window: np.ndarray) -> int:
-    """The tokens a window's transcript is expected to take (`SPOKEN_TOKENS_PER_S`), its end token included."""
-    return int(len(window) / SAMPLE_RATE * SPOKEN_TOKENS_PER_S) + 1
+def expected_tokens(frames: int) -> int:
+    """The tokens a window's transcript is expected to take (`SPOKEN_TOKENS_PER_S`) from the frames of audio it
+    holds, its end token included."""
+    return int(frames / FRAMES_PER_S * SPOKEN_TOKENS_PER_S) + 1
 
 
 def drafting_weights(speech: SpeechModel, draft_weights: str | None) -> str | None:
@@ -178,7 +329,8 @@ def self_drafter(target: HeardModel, scheme: str | None) -> AssistantDrafter:
         raise ConfigError("self_draft needs quantized drafting weights (draft_weights='int8' or 'int4', on the CPU): "
                           "the target's own float decoder would cost as much as it saves.")
     speech, copy = target.speech, target.speech.for_drafting(scheme)
-    heard = HeardModel(copy, target.encoded, target.begin, draft_vocabulary=DRAFT_VOCABULARY)
+    heard = HeardModel(copy, target.encoded, target.begin, draft_vocabulary=DRAFT_VOCABULARY,
+                       timestamps=target.timestamps)
     if scheme not in speech.agreement:  # once per model: on its first input, over the calibration text
         ids, begin = calibration_ids(speech), len(heard_prompt(speech))
         speech.agreement[scheme] = agreement(replace(target, begin=begin), replace(heard, begin=begin), ids,
@@ -187,21 +339,21 @@ def self_drafter(target: HeardModel, scheme: str | None) -> AssistantDrafter:
     return AssistantDrafter(heard, target, acceptance_prior=speech.agreement[scheme])
 
 
-def assistant_drafter(target: HeardModel, assistant: SpeechModel, window: np.ndarray, language: str | None):
+def assistant_drafter(target: HeardModel, assistant: SpeechModel, features: torch.Tensor, spoken: int,
+                      language: str | None):
     """The assistant Whisper on the same window (its copy for drafting, when `assistant` is one): same tokenizer, it
     drafts token ids directly; another, in universal mode from its own decoder prompt. Its decoder's passes are timed
     on its first window (`policy.costs.pass_costs`), so that the policy prices it by time, not by weight bytes. Where
-    both extract the same features (Whisper's 80 mel bins), it reads the target's."""
-    own_language = language if assistant.multilingual else None
-    prompt = assistant.decoder_prompt(own_language)
-    frames = -(-len(window) // HOP) + TAIL_FRAMES  # the audio's own frames, and a second of the padding after it
-    same = assistant.extractor.to_dict() == target.speech.extractor.to_dict()
-    features = target.encoded.features.to(assistant.device, assistant.dtype) if same else assistant.features(window)
-    heard = assistant.listen(features, begin=len(prompt), draft_vocabulary=DRAFT_VOCABULARY,
-                             lazy=True, frames=frames)  # its encoder runs only if the policy lets it draft
-    if assistant.costs is None:  # its passes timed once per model (kept on disk; on this first window, the encoder
-        pass_costs(heard)  # runs for it): the policy's prior for its cost per token
-    if same_tokenizer(target, heard):
+    both extract the same features (Whisper's 80 mel bins), `features` [1, mels, 3000] are the target's; `spoken`:
+    the window's frames that hold audio. With timestamps, a same-tokenizer assistant decodes with them too."""
+    same = same_tokenizer(target, assistant)  # then it reads the target's decoder prompt, timestamps and all
+    prompt = assistant.decoder_prompt(language if assistant.multilingual else None)  # (universal mode's own)
+    frames = spoken + TAIL_FRAMES  # the audio's own frames, and a second of the padding after it
+    heard = assistant.listen(features, begin=target.begin if same else len(prompt), draft_vocabulary=DRAFT_VOCABULARY,
+                             lazy=True, frames=frames, timestamps=target.timestamps and same)  # its encoder runs
+    if assistant.costs is None:  # only if the policy lets it draft; its passes timed once per model (kept on disk;
+        pass_costs(heard)  # on this first window, the encoder runs for it): the policy's prior for its cost per token
+    if same:
         return AssistantDrafter(heard, target)
     return UniversalDrafter(heard, target, prefix=prompt)
 
@@ -210,12 +362,16 @@ def transcribe(model, audio, assistant=None, language: str | None = None, prompt
                task: str = "transcribe", lookup: bool = False, early_exit: bool | int = False, ngram_cache=False,
                self_draft: bool = False, draft_weights: str | None = "auto", schedule=None, temperature: float = 0.0,
                seed: int | None = None, max_new_tokens: int | None = None, max_seconds: float | None = None,
-               logprobs: bool = False, cancelled: Callable[[], bool] | None = None) -> Transcription:
+               logprobs: bool = False, timestamps: bool = False, condition_on_previous: bool = False,
+               cancelled: Callable[[], bool] | None = None) -> Transcription:
     """Transcribe `audio` (a path, bytes, a binary file, or 16 kHz mono samples) with `model` (see the contract);
     `self_draft`: the target's own decoder in quantized weights drafts; `draft_weights` ("auto", "int8", "int4",
     "float"): the weights of a drafting model (the assistant, the self-draft); `logprobs`: keep each window's token
-    log-probabilities (`Window.logprobs`); `cancelled`: asked before each window and after each decoding step; once
-    it answers True the transcription stops and raises `config.Cancelled` (a server's client gone)."""
+    log-probabilities (`Window.logprobs`); `timestamps`: decode with timestamps into segments (always, for audio
+    over 30 s); `condition_on_previous`: with timestamps, each window's decoder prompt holds the text before it
+    (transformers' `condition_on_prev_tokens`; at temperatures below 0.5); `cancelled`: asked before each window
+    and after each decoding step; once it answers True the transcription stops and raises `config.Cancelled` (a
+    server's client gone)."""
     check_cancelled(cancelled)
     samples = read_audio(audio, max_seconds, name=str(audio) if isinstance(audio, (str, os.PathLike)) else "the audio")
     speech = as_speech_model(model)
@@ -232,37 +388,34 @@ def transcribe(model, audio, assistant=None, language: str | None = None, prompt
     language = check_language(speech, language)
     if ngram_cache is True or isinstance(ngram_cache, str):  # a namespace of this model's own: token ids differ
         ngram_cache = f"speech:{speech.name}" + ("" if ngram_cache is True else f":{ngram_cache}")
-    previous = list(speech.tokenizer(" " + prompt.strip(), add_special_tokens=False)["input_ids"]) \
-        if prompt and prompt.strip() else None
-    previous = previous[-(speech.context_length // 2 - 1):] if previous else None  # (Whisper keeps the prompt's end)
-    out = Transcription("", language, len(samples) / SAMPLE_RATE)
-    texts = []
-    for start, end in windows(samples):
-        if cancelled is not None and cancelled():
-            raise Cancelled("The transcription was cancelled by its caller.")
-        window = samples[start:end]
-        heard = speech.listen(speech.features(window), begin=0)  # the encoder runs here, once per window
-        if speech.multilingual and language is None:
-            language = detect_language(speech, heard)
-            out.language = language
-        ids = speech.decoder_prompt(language, task, previous)
-        heard = replace(heard, begin=len(ids))  # the same input: begin suppression after this decoder prompt
-        room = heard.context_length - len(ids)
-        if max_new_tokens is not None and not 1 <= max_new_tokens <= room:
-            raise ConfigError(f"max_new_tokens must be in 1..{room} for this decoder prompt, got {max_new_tokens}.")
-        drafter = assistant_drafter(heard, helper, window, language) if helper is not None else \
-            self_drafter(heard, scheme) if self_draft else None
-        exit_n = exit_layers(speech, heard, early_exit) if early_exit else False
-        result = generate(heard, ids, assistant=drafter, lookup=lookup, early_exit=exit_n, ngram_cache=ngram_cache,
-                          schedule=schedule, max_new_tokens=max_new_tokens or room, temperature=temperature,
-                          expected_new_tokens=expected_tokens(window), cancelled=cancelled,
-                          seed=seed, logprobs=0 if logprobs else None)
-        text = speech.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-        kept = [lp.logprob for lp in result.logprobs] if logprobs else None
-        out.windows.append(Window(start / SAMPLE_RATE, end / SAMPLE_RATE, ids, result.token_ids, text, result.stats,
-                                  kept))
-        texts.append(text.strip())
-        spoken = [t for t in result.token_ids if t < min(heard.eos_token_ids)]  # text tokens only
-        previous = spoken[-(heard.context_length // 2 - 1):] or previous  # the next window's earlier context
-    out.text = " ".join(t for t in texts if t)
+    earlier = list(speech.tokenizer(" " + prompt.strip(), add_special_tokens=False)["input_ids"]) \
+        if prompt and prompt.strip() else []
+    earlier = earlier[-(speech.context_length // 2 - 1):]  # (Whisper keeps the prompt's end)
+    timestamps = bool(timestamps) or len(samples) > SAMPLE_RATE * WINDOW_S
+    heard_audio = Audio(speech, helper, samples, long=len(samples) > SAMPLE_RATE * WINDOW_S)
+    out = Transcription("", language, len(samples) / SAMPLE_RATE, timestamps=timestamps)
+    decoding = Decoding(speech, helper, task, lookup, early_exit, ngram_cache, self_draft, scheme, schedule,
+                        temperature, seed, max_new_tokens, logprobs, cancelled)
+    if not timestamps:  # transformers' short-form: one window, no timestamps
+        window = decoding.window(heard_audio, 0, language, earlier, timestamps=False)
+        out.language = window.language
+        out.windows.append(window)
+        out.text = window.text.strip()
+        return out
+    first = int(speech.generation.no_timestamps_token_id) + 1
+    kept: list[list[int]] = [earlier] if earlier else []  # the segments' tokens so far (the prompt first)
+    seek = 0
+    while seek < heard_audio.frames:  # transformers' sequential long-form decoding
+        conditioned = condition_on_previous and temperature < 0.5 and kept
+        previous = previous_tokens(kept, first, speech.context_length // 2 - 1) if conditioned else earlier
+        window = decoding.window(heard_audio, seek, language, previous, timestamps=True)
+        language = out.language = window.language
+        window.segments, advance = split_segments(window.token_ids, first, seek, window.frames, speech.tokenizer,
+                                                  window.logprobs, heard_audio.eos)
+        window.text = "".join(segment.text for segment in window.segments)
+        kept.extend(segment.token_ids for segment in window.segments)
+        out.windows.append(window)
+        seek += max(advance, 1)  # (a window always moves on)
+    spoken = [t for segment in out.segments for t in segment.token_ids]
+    out.text = speech.tokenizer.decode(spoken, skip_special_tokens=True).strip()
     return out

@@ -4,8 +4,10 @@ Contract: `HeardModel` is a `backends.base.LanguageModel` over a `speech.SpeechM
 cross-attention keys and values (`speech.Encoded`); `SpeechCache` holds one decoder sequence's self-attention keys
 and values in preallocated buffers written by position (crop is free, fork copies them). The forward pass is
 written here over the Hugging Face module's weights, with transformers' operations in its order (pre-norm layers,
-the query scaled before attention), and its logits carry Whisper's token suppression as `generate()` applies it.
-`speech.py` states the whole contract.
+the query scaled before attention), and its logits carry Whisper's token suppression as `generate()` applies it and,
+with `timestamps`, Whisper's timestamp rules after it (`TimestampRules`: each row judged on the tokens before it, so
+a verification pass's rows are those a one-token-at-a-time decoding would have seen). `speech.py` states the whole
+contract.
 """
 
 from __future__ import annotations
@@ -38,6 +40,54 @@ def suppression(speech, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]
     return always.to(device), first.to(device)
 
 
+@dataclass(frozen=True)
+class TimestampRules:
+    """Whisper's timestamp rules, as transformers' `WhisperTimeStampLogitsProcessor` applies them to a row of logits
+    (after the suppression) given the generated tokens before it: <|notimestamps|> never; timestamps come in pairs
+    (after one timestamp that follows text, only a timestamp or the end; after two, no timestamp); they never decrease,
+    and one that closes a pair may repeat the opening one but no other may repeat; the first token is a timestamp, at
+    most `max_initial` steps in; and where the timestamps together are more likely than the likeliest text token, only a
+    timestamp."""
+
+    first: int  # the first timestamp token, <|0.00|> (<|notimestamps|> + 1); every later id is a timestamp
+    eos: int  # the end token: the text tokens are the ids below it
+    max_initial: int | None  # the latest timestamp the first generated token may be (None: any)
+
+    @classmethod
+    def of(cls, generation) -> TimestampRules:
+        return cls(int(generation.no_timestamps_token_id) + 1, int(generation.eos_token_id),
+                   getattr(generation, "max_initial_timestamp_index", None))
+
+    def apply(self, logits: torch.Tensor, generated: list[list[int]]) -> torch.Tensor:
+        """logits [rows, vocab] float32, in place; generated[i]: the generated tokens before row i (None: a row of the
+        decoder prompt, left as it is)."""
+        first, inf = self.first, float("-inf")
+        judged = [i for i, seq in enumerate(generated) if seq is not None]
+        for i in judged:
+            seq, row = generated[i], logits[i]
+            row[first - 1] = inf  # <|notimestamps|>
+            last = len(seq) >= 1 and seq[-1] >= first
+            penultimate = len(seq) < 2 or seq[-2] >= first
+            if last and penultimate:  # a pair just closed: text or the end next
+                row[first:] = inf
+            elif last:  # a pair just opened: its closing timestamp or the end next
+                row[: self.eos] = inf
+            latest = next((t for t in reversed(seq) if t >= first), None)
+            lowest = first if latest is None else latest if last and not penultimate else latest + 1
+            row[first:lowest] = inf
+            if not seq:  # the first token: a timestamp, at most `max_initial` steps in
+                row[:first] = inf
+                if self.max_initial is not None:
+                    row[first + self.max_initial + 1:] = inf
+        if judged:
+            rows = logits[judged]
+            logprobs = torch.log_softmax(rows, dim=-1)
+            timestamp = logprobs[:, first:].logsumexp(-1) > logprobs[:, :first].max(-1).values  # [judged]
+            rows[:, :first] = rows[:, :first].masked_fill(timestamp[:, None], inf)
+            logits[judged] = rows
+        return logits
+
+
 @dataclass(eq=False)
 class HeardModel:
     """Whisper's decoder conditioned on one input: a `LanguageModel` (see the module's contract)."""
@@ -50,18 +100,22 @@ class HeardModel:
     # the order of their merges, so these are the most frequent ones) and the end token; every other logit is -inf.
     # The head is the larger part of a Whisper decoder pass; a draft of a rarer token is left to the target.
     draft_vocabulary: int | None = None
+    timestamps: bool = False  # Whisper's timestamp rules on every generated row (`TimestampRules`; a drafter's head
+    # then also computes the timestamp tokens' rows)
     backend = "torch"
     max_sequences = None
     masks: tuple = field(init=False)
+    rules: TimestampRules | None = field(init=False)
     head: tuple = field(init=False)  # (the head: a layer [n, d] -> [n, rows], the ids of rows beyond the first ones
     # or None for the whole head)
 
     def __post_init__(self):
         self.masks = suppression(self.speech, self.vocab_size, self.device)
+        self.rules = TimestampRules.of(self.speech.generation) if self.timestamps else None
         if self.draft_vocabulary is None or self.draft_vocabulary >= self.vocab_size:
             self.head = (self.speech.hf.get_output_embeddings(), None)
         else:
-            self.head = self.speech.draft_head(self.draft_vocabulary)
+            self.head = self.speech.draft_head(self.draft_vocabulary, self.timestamps)
 
     # --- what the loop reads ------------------------------------------------------------------------------
     @property
@@ -197,6 +251,10 @@ class HeardModel:
         row = self.begin - (start + n - keep) - 1  # the kept row that predicts token `begin`, if any
         if 0 <= row < keep:
             logits[row] = logits[row].masked_fill(first, float("-inf"))
+        if self.rules is not None:
+            tokens, before = cache.tokens + ids, start + n - keep + 1  # row i predicts tokens[before + i]
+            self.rules.apply(logits, [tokens[self.begin: before + i] if before + i >= self.begin else None
+                                      for i in range(keep)])
         cache.length = start + n
         return logits
 
@@ -218,7 +276,7 @@ class HeardModel:
             raise ValueError(f"{self.name} has {len(self.decoder.layers)} decoder layers; early exit needs 1..."
                              f"{len(self.decoder.layers) - 1}")
         return HeardModel(self.speech, self.encoded, self.begin, layers=n,
-                          draft_vocabulary=self.draft_vocabulary or DRAFT_VOCABULARY)
+                          draft_vocabulary=self.draft_vocabulary or DRAFT_VOCABULARY, timestamps=self.timestamps)
 
     def exit_agreement(self, ids: list[int], positions: int | None) -> list[float]:
         """alpha_N, N = 1..L-1: how often exit N's argmax equals the full decoder's over `ids` (teacher-forced, on

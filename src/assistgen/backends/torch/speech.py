@@ -1,21 +1,22 @@
 """Encoder-decoder speech targets (Whisper) behind the seam: the decoder, conditioned on one input, as a model.
 
 Contract: `SpeechModel` (`load_speech(spec)`: an embedded alias, a transformers folder or a hub id of a
-`WhisperForConditionalGeneration`) turns 16 kHz mono samples into log-mel features (`features`: one window of at
-most 30 s, transformers' `WhisperFeatureExtractor`), builds the decoder prompt (`decoder_prompt`: an earlier
-text as <|startofprev|> ..., then <|startoftranscript|>, the language, the task, <|notimestamps|>) and names its
-languages in English (`language_names`). `listen(features, begin)` runs the encoder once and returns a
-`HeardModel`: a `backends.base.LanguageModel` whose caches start from that input (every cache, and every fork, reads
-the same cross-attention keys and values, computed once per layer from the encoder's output), so the generation
-loop, the drafters and the policy run on it unchanged. Its logits are those transformers' `generate()` decides on:
-the model's `suppress_tokens` are -inf on every row, and its `begin_suppress_tokens` on the row that predicts token
-`begin` (the first after the decoder prompt). The decoder's forward pass is written here over the Hugging Face
-module's weights, with the same operations in the same order (pre-norm layers, the query scaled before attention),
-and keys and values in preallocated buffers written by position (crop is free, fork copies the self-attention
-buffers). `truncated(n)` runs the first n decoder layers (early exit); measurements (`costs`) belong to the
-`SpeechModel`, shared by every input it hears. `for_drafting(scheme)` is a copy whose decoder runs in int8 or int4
-weights (sharing every other tensor), for drafters only. The decoder's side (`HeardModel`, its caches and forward pass)
-lives in `heard.py`.
+`WhisperForConditionalGeneration`) turns 16 kHz mono samples into log-mel features (`features`: one window of at most 30
+s, transformers' `WhisperFeatureExtractor`; `long_features` and `window_of`: longer audio as transformers' long-form
+reads it), builds the decoder prompt (`decoder_prompt`: an earlier text as <|startofprev|> ..., then
+<|startoftranscript|>, the language, the task, and <|notimestamps|> unless timestamps are asked for) and names its
+languages in English (`language_names`). `listen(features, begin)` runs the encoder once and returns a `HeardModel`: a
+`backends.base.LanguageModel` whose caches start from that input (every cache, and every fork, reads the same
+cross-attention keys and values, computed once per layer from the encoder's output), so the generation loop, the
+drafters and the policy run on it unchanged. Its logits are those transformers' `generate()` decides on: the model's
+`suppress_tokens` are -inf on every row, and its `begin_suppress_tokens` on the row that predicts token `begin` (the
+first after the decoder prompt); with `timestamps`, Whisper's timestamp rules after them. The decoder's forward pass is
+written here over the Hugging Face module's weights, with the same operations in the same order (pre-norm layers, the
+query scaled before attention), and keys and values in preallocated buffers written by position (crop is free, fork
+copies the self-attention buffers). `truncated(n)` runs the first n decoder layers (early exit); measurements (`costs`)
+belong to the `SpeechModel`, shared by every input it hears. `for_drafting(scheme)` is a copy whose decoder runs in int8
+or int4 weights (sharing every other tensor), for drafters only. The decoder's side (`HeardModel`, its caches and
+forward pass) lives in `heard.py`.
 """
 
 from __future__ import annotations
@@ -94,9 +95,23 @@ class SpeechModel(OnDevice):
         out = self.extractor(samples, sampling_rate=SAMPLE_RATE, return_tensors="pt")
         return out.input_features.to(model_device(self.hf), self.hf.dtype)
 
+    def long_features(self, samples: np.ndarray) -> torch.Tensor:
+        """[1, mels, frames] log-mel features of the whole audio, not cut nor padded (transformers' long-form input:
+        its level is normalized over the whole audio, so a window's features differ from `features` of its samples)."""
+        out = self.extractor(samples, sampling_rate=SAMPLE_RATE, return_tensors="pt", truncation=False,
+                             padding="longest")
+        return out.input_features.to(model_device(self.hf), self.hf.dtype)
+
+    def window_of(self, features: torch.Tensor, seek: int) -> tuple[torch.Tensor, int]:
+        """(the 30 s window of `long_features` from frame `seek`, padded with zeros as transformers' long-form pads
+        it: [1, mels, 3000]; the frames of audio it holds)."""
+        size = self.extractor.nb_max_frames
+        window = features[:, :, seek: seek + size]
+        return F.pad(window, (0, size - window.shape[-1])), window.shape[-1]
+
     def decoder_prompt(self, language: str | None = None, task: str = "transcribe",
-                       previous: list[int] | None = None) -> list[int]:
-        """The decoder's first tokens, as `generate()` builds them (short-form, without timestamps)."""
+                       previous: list[int] | None = None, timestamps: bool = False) -> list[int]:
+        """The decoder's first tokens, as `generate()` builds them (<|notimestamps|> last unless `timestamps`)."""
         g = self.generation
         ids = [] if not previous else [g.prev_sot_token_id, *previous]
         ids.append(g.decoder_start_token_id)
@@ -104,7 +119,8 @@ class SpeechModel(OnDevice):
             if language is not None:
                 ids.append(self.languages[language])
             ids.append(g.task_to_id[task])
-        ids.append(g.no_timestamps_token_id)
+        if not timestamps:
+            ids.append(g.no_timestamps_token_id)
         return ids
 
     def optimize(self, mode: str = "auto") -> None:
@@ -129,28 +145,33 @@ class SpeechModel(OnDevice):
         return self.listen(self.features(np.zeros(SAMPLE_RATE, dtype=np.float32)), begin=len(self.decoder_prompt()))
 
     def listen(self, features: torch.Tensor, begin: int, draft_vocabulary: int | None = None,
-               lazy: bool = False, frames: int | None = None) -> HeardModel:
+               lazy: bool = False, frames: int | None = None, timestamps: bool = False) -> HeardModel:
         """The decoder conditioned on `features` (the encoder runs once: here, or with `lazy` on the first pass that
         needs it, so that an assistant the policy never switches on costs nothing); `begin`: the decoder prompt's
         length (where `begin_suppress_tokens` apply); `draft_vocabulary`: for a drafter, see `HeardModel`;
         `frames`: for a drafter, encode only the first `frames` mel frames instead of the whole 30 s (whisper.cpp's
         reduced audio context: the encoder's cost falls with the audio's length; its drafts may be worse, and the
-        target, which always hears the whole window, still decides)."""
+        target, which always hears the whole window, still decides); `timestamps`: Whisper's timestamp rules apply
+        (`heard.TimestampRules`)."""
         encoded = Encoded(self, features, frames)
         if not lazy:
             encoded.layers()
-        return HeardModel(self, encoded, begin, draft_vocabulary=draft_vocabulary)
+        return HeardModel(self, encoded, begin, draft_vocabulary=draft_vocabulary, timestamps=timestamps)
 
-    def draft_head(self, rows: int) -> tuple[torch.nn.Module, torch.Tensor]:
-        """(a layer computing the logits of the head's first `rows` rows and the end tokens' [n, d] -> [n, rows +
-        ends], the end token ids): its rows copied once (quantized in a copy for drafting)."""
-        if rows not in self.draft_heads:
+    def draft_head(self, rows: int, timestamps: bool = False) -> tuple[torch.nn.Module, torch.Tensor]:
+        """(a layer computing the logits of the head's first `rows` rows and the end token's, and with `timestamps`
+        the timestamp tokens' [n, d] -> [n, rows + extra], the extra ids): its rows copied once (quantized in a copy
+        for drafting)."""
+        if (rows, timestamps) not in self.draft_heads:
             weight = self.hf.get_output_embeddings().weight  # [vocab, d]
-            ends = torch.tensor(sorted({int(self.generation.eos_token_id)}), device=weight.device)
-            kept = torch.cat([weight[:rows], weight[ends]]).detach()  # [rows + ends, d]
-            self.draft_heads[rows] = (HeadRows(kept) if self.quantization is None
-                                      else quantized_linear(kept, None, self.quantization), ends)
-        return self.draft_heads[rows]
+            extra = [int(self.generation.eos_token_id)]
+            if timestamps:
+                extra += range(int(self.generation.no_timestamps_token_id) + 1, weight.shape[0])
+            extra = torch.tensor(sorted(set(extra)), device=weight.device)
+            kept = torch.cat([weight[:rows], weight[extra]]).detach()  # [rows + extra, d]
+            self.draft_heads[rows, timestamps] = (HeadRows(kept) if self.quantization is None
+                                                  else quantized_linear(kept, None, self.quantization), extra)
+        return self.draft_heads[rows, timestamps]
 
     def for_drafting(self, scheme: str = "int8") -> SpeechModel:
         """A copy of this model whose decoder's per-token layers (self-attention, the cross-attention's query and

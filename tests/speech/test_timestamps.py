@@ -1,0 +1,42 @@
+"""Whisper's timestamp rules (`heard.TimestampRules`) are transformers' processor, row by row."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers.generation.logits_process import WhisperTimeStampLogitsProcessor
+
+from assistgen.backends.torch.heard import TimestampRules
+
+VOCAB, FIRST, EOS, BEGIN = 120, 100, 97, 3  # ids FIRST.. are timestamps; FIRST - 1 is <|notimestamps|>
+
+
+@pytest.mark.parametrize("max_initial", [None, 5])
+def test_the_rules_are_transformers_processor_on_every_row(max_initial):
+    generation = SimpleNamespace(no_timestamps_token_id=FIRST - 1, eos_token_id=EOS, bos_token_id=EOS,
+                                 max_initial_timestamp_index=max_initial)
+    rules = TimestampRules.of(generation)
+    processor = WhisperTimeStampLogitsProcessor(generation, begin_index=BEGIN)
+    rng, cases = random.Random(0), 0
+    for trial in range(400):
+        tokens = [rng.choice([rng.randrange(EOS), rng.randrange(FIRST, VOCAB), FIRST + 2])
+                  for _ in range(rng.randrange(9))]
+        scale = rng.choice([1.0, 4.0, 12.0])  # (from flat rows to peaked ones: both sides of the probability rule)
+        logits = torch.randn(len(tokens) + 1, VOCAB, generator=torch.Generator().manual_seed(trial)) * scale
+        want = torch.cat([processor(torch.tensor([[0, 1, 2] + tokens[:i]]), logits[i: i + 1].clone())
+                          for i in range(len(tokens) + 1)])  # one row at a time, as generate() decodes
+        got = rules.apply(logits.clone(), [tokens[:i] for i in range(len(tokens) + 1)])  # a verification's rows
+        assert torch.equal(got, want), (tokens, max_initial)
+        cases += int(torch.isinf(want[:, :FIRST]).all(-1).any())  # a row where only a timestamp may come
+    assert cases > 50
+
+
+def test_rows_of_the_decoder_prompt_are_left_alone():
+    rules = TimestampRules(FIRST, EOS, None)
+    logits = torch.randn(2, VOCAB)
+    got = rules.apply(logits.clone(), [None, []])
+    assert torch.equal(got[0], logits[0])
+    assert torch.isinf(got[1, :FIRST]).all()  # the first generated token is a timestamp
