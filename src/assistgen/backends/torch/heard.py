@@ -58,34 +58,40 @@ class TimestampRules:
         return cls(int(generation.no_timestamps_token_id) + 1, int(generation.eos_token_id),
                    getattr(generation, "max_initial_timestamp_index", None))
 
-    def apply(self, logits: torch.Tensor, generated: list[list[int]]) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, generated: list[list[int] | None]) -> torch.Tensor:
         """logits [rows, vocab] float32, in place; generated[i]: the generated tokens before row i (None: a row of the
-        decoder prompt, left as it is)."""
-        first, inf = self.first, float("-inf")
-        judged = [i for i, seq in enumerate(generated) if seq is not None]
-        for i in judged:
-            seq, row = generated[i], logits[i]
-            row[first - 1] = inf  # <|notimestamps|>
-            last = len(seq) >= 1 and seq[-1] >= first
-            penultimate = len(seq) < 2 or seq[-2] >= first
-            if last and penultimate:  # a pair just closed: text or the end next
-                row[first:] = inf
-            elif last:  # a pair just opened: its closing timestamp or the end next
-                row[: self.eos] = inf
-            latest = next((t for t in reversed(seq) if t >= first), None)
-            lowest = first if latest is None else latest if last and not penultimate else latest + 1
-            row[first:lowest] = inf
-            if not seq:  # the first token: a timestamp, at most `max_initial` steps in
-                row[:first] = inf
-                if self.max_initial is not None:
-                    row[first + self.max_initial + 1:] = inf
-        if judged:
-            rows = logits[judged]
-            logprobs = torch.log_softmax(rows, dim=-1)
-            timestamp = logprobs[:, first:].logsumexp(-1) > logprobs[:, :first].max(-1).values  # [judged]
-            rows[:, :first] = rows[:, :first].masked_fill(timestamp[:, None], inf)
-            logits[judged] = rows
+        decoder prompt, left as it is: those come first)."""
+        judged = next((i for i, seq in enumerate(generated) if seq is not None), len(generated))
+        if judged == len(generated):
+            return logits
+        view, inf = logits[judged:], float("-inf")  # [rows judged, vocab]
+        for row, seq in zip(view, generated[judged:], strict=True):
+            text, other, lowest, highest = self.bounds(seq, row.shape[-1])
+            if not text:
+                row[: self.eos if other else self.first] = inf
+            row[self.first - 1] = inf  # <|notimestamps|>
+            row[self.first: lowest] = inf
+            row[highest:] = inf
+        logprobs = torch.log_softmax(view, dim=-1)
+        timestamp = logprobs[:, self.first:].logsumexp(-1) > logprobs[:, : self.first].amax(-1)  # [rows judged]
+        for i in timestamp.nonzero().flatten().tolist():  # (the rows where only a timestamp may come)
+            view[i, : self.first] = inf
         return logits
+
+    def bounds(self, seq: list[int], vocab: int) -> tuple[int, int, int, int]:
+        """(text allowed, the other ids below the timestamps allowed, the lowest timestamp allowed, the one after the
+        highest) for the row after `seq`."""
+        first = self.first
+        if not seq:  # the first token: a timestamp, at most `max_initial` steps in
+            return 0, 0, first, vocab if self.max_initial is None else min(vocab, first + self.max_initial + 1)
+        last = seq[-1] >= first
+        penultimate = len(seq) < 2 or seq[-2] >= first
+        if last and penultimate:  # a pair just closed: text or the end next
+            return 1, 1, self.first, self.first
+        latest = next((t for t in reversed(seq) if t >= first), None)
+        if last:  # a pair just opened: its closing timestamp (the same time, or later) or the end next
+            return 0, 1, latest, vocab
+        return 1, 1, first if latest is None else latest + 1, vocab  # (no timestamp earlier than the last one)
 
 
 @dataclass(eq=False)
