@@ -103,3 +103,25 @@ def test_begin_suppression_applies_to_the_first_generated_token_only():
     rows = model.new_cache().feed([START, 3, 4, 5], 4)  # rows predict indices 1, 2, 3, 4
     assert [bool(torch.isinf(r[END])) for r in rows] == [False, False, True, False]
     assert torch.isinf(rows[:, 2]).all()  # <pad> everywhere
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_the_timestamp_rules_keep_sampling_exact(k):
+    """With Whisper's timestamp rules (here ids 8..10 are the timestamps, 7 is <|notimestamps|>, the first token at
+    most one step in), the target's distribution is the masked one at every row, each row masked on the tokens
+    before it; an assistant with the same rules and prompt lookup (whose drafts the rules may forbid) emit it."""
+    features = torch.randn(1, 4, 16, generator=torch.Generator().manual_seed(0))
+    models = []
+    for seed, layers in ((0, 2), (1, 1)):
+        model = tiny_whisper(seed, layers)
+        model.hf.generation_config.no_timestamps_token_id = 7
+        model.hf.generation_config.max_initial_timestamp_index = 1
+        models.append(model)
+    prompt = [START, 3, 4, 8, 3, 4]  # the first generated token is at index 6, and it must be a timestamp
+    target = models[0].listen(features, begin=len(prompt), timestamps=True)
+    first_row = target.new_cache().feed(prompt)[-1]
+    assert torch.isfinite(first_row).nonzero().flatten().tolist() == [8, 9]  # <|0.00|> or the next one, nothing else
+    assistant = models[1].listen(features, begin=len(prompt), timestamps=True)
+    lengths = check(AssistantDrafter(assistant, target), target, prompt, k, "t1")
+    assert lengths.get(k, 0) > 0  # full drafts happen
+    check(PromptLookupDrafter(), target, prompt, k, "t0.7-topk4-topp0.9")  # (it drafts 3 4 8 ...: the rules decide)
