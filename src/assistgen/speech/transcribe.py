@@ -147,6 +147,7 @@ class Audio:
         self.features = speech.long_features(samples) if long else speech.features(samples)  # [1, mels, frames]
         self.frames = self.features.shape[-1]  # what seeking covers (short-form: the padded window's 3000)
         self.spoken_frames = -(-len(samples) // HOP)  # the frames that hold audio
+        self.duration_s = len(samples) / SAMPLE_RATE
         self.eos = int(speech.generation.eos_token_id)
         self.same = helper is None or helper.extractor.to_dict() == speech.extractor.to_dict()
         self.helper_features = None
@@ -208,7 +209,7 @@ class Decoding:
                           logprobs=0 if self.logprobs else None)
         text = speech.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         kept = [lp.logprob for lp in result.logprobs] if self.logprobs else None
-        start, end = seek / FRAMES_PER_S, min(seek + frames, audio.spoken_frames) / FRAMES_PER_S
+        start, end = seek / FRAMES_PER_S, min((seek + frames) / FRAMES_PER_S, audio.duration_s)
         window = Window(start, end, ids, result.token_ids, text, result.stats, kept, language, frames)
         if not timestamps:
             window.segments = [Segment(start, end, [t for t in result.token_ids if t != audio.eos], text, kept)]
@@ -391,31 +392,37 @@ def transcribe(model, audio, assistant=None, language: str | None = None, prompt
     earlier = list(speech.tokenizer(" " + prompt.strip(), add_special_tokens=False)["input_ids"]) \
         if prompt and prompt.strip() else []
     earlier = earlier[-(speech.context_length // 2 - 1):]  # (Whisper keeps the prompt's end)
-    timestamps = bool(timestamps) or len(samples) > SAMPLE_RATE * WINDOW_S
-    heard_audio = Audio(speech, helper, samples, long=len(samples) > SAMPLE_RATE * WINDOW_S)
-    out = Transcription("", language, len(samples) / SAMPLE_RATE, timestamps=timestamps)
+    long = len(samples) > SAMPLE_RATE * WINDOW_S
+    source = Audio(speech, helper, samples, long)
     decoding = Decoding(speech, helper, task, lookup, early_exit, ngram_cache, self_draft, scheme, schedule,
                         temperature, seed, max_new_tokens, logprobs, cancelled)
-    if not timestamps:  # transformers' short-form: one window, no timestamps
-        window = decoding.window(heard_audio, 0, language, earlier, timestamps=False)
-        out.language = window.language
-        out.windows.append(window)
-        out.text = window.text.strip()
-        return out
+    out = Transcription("", language, len(samples) / SAMPLE_RATE, timestamps=bool(timestamps) or long)
+    if out.timestamps:
+        out.windows = sequential(decoding, source, language, earlier, condition_on_previous and temperature < 0.5)
+        spoken = [t for segment in out.segments for t in segment.token_ids]
+        out.text = speech.tokenizer.decode(spoken, skip_special_tokens=True).strip()
+    else:  # transformers' short-form: one window, no timestamps
+        out.windows = [decoding.window(source, 0, language, earlier, timestamps=False)]
+        out.text = out.windows[0].text.strip()
+    out.language = out.windows[-1].language
+    return out
+
+
+def sequential(decoding: Decoding, source: Audio, language: str | None, earlier: list[int],
+               conditioned: bool) -> list[Window]:
+    """transformers' sequential long-form decoding (see the contract): the windows, each with its segments."""
+    speech = decoding.speech
     first = int(speech.generation.no_timestamps_token_id) + 1
     kept: list[list[int]] = [earlier] if earlier else []  # the segments' tokens so far (the prompt first)
-    seek = 0
-    while seek < heard_audio.frames:  # transformers' sequential long-form decoding
-        conditioned = condition_on_previous and temperature < 0.5 and kept
-        previous = previous_tokens(kept, first, speech.context_length // 2 - 1) if conditioned else earlier
-        window = decoding.window(heard_audio, seek, language, previous, timestamps=True)
-        language = out.language = window.language
+    windows, seek = [], 0
+    while seek < source.frames:
+        previous = previous_tokens(kept, first, speech.context_length // 2 - 1) if conditioned and kept else earlier
+        window = decoding.window(source, seek, language, previous, timestamps=True)
+        language = window.language
         window.segments, advance = split_segments(window.token_ids, first, seek, window.frames, speech.tokenizer,
-                                                  window.logprobs, heard_audio.eos)
+                                                  window.logprobs, source.eos)
         window.text = "".join(segment.text for segment in window.segments)
         kept.extend(segment.token_ids for segment in window.segments)
-        out.windows.append(window)
+        windows.append(window)
         seek += max(advance, 1)  # (a window always moves on)
-    spoken = [t for segment in out.segments for t in segment.token_ids]
-    out.text = speech.tokenizer.decode(spoken, skip_special_tokens=True).strip()
-    return out
+    return windows
