@@ -74,14 +74,15 @@ def test_every_format_gives_the_librarys_transcript_and_the_metrics_count_it(ser
     assert as_json.text == as_text == expected.text
     assert verbose.text == expected_timed.text and expected_timed.text.lower().startswith("the quick brown fox")
     assert verbose.language == "english" and verbose.duration == pytest.approx(expected.duration_s, abs=1e-3)
-    timed = expected_timed.segments
+    timed, (window,) = expected_timed.segments, expected_timed.windows
     assert len(verbose.segments) == len(timed) >= 2  # the model's own segments, between its timestamps
     first = 50364  # <|0.00|>: the timestamps, left out of a segment's tokens
     for i, (segment, want) in enumerate(zip(verbose.segments, timed, strict=True)):
         assert (segment.id, segment.seek, segment.temperature) == (i, 0, 0.0)
         assert (segment.start, segment.end) == (round(want.start_s, 3), round(want.end_s, 3))
         assert segment.text == want.text and segment.tokens == [t for t in want.token_ids if t < first]
-        assert segment.avg_logprob == pytest.approx(want.avg_logprob, abs=1e-4) and segment.avg_logprob < 0
+        # (as Whisper gives them: its window's, every token it generated)
+        assert segment.avg_logprob == pytest.approx(window.avg_logprob, abs=1e-4) and segment.avg_logprob < 0
         assert 0 < segment.compression_ratio < 2.4 and segment.no_speech_prob is None
     assert 0 == verbose.segments[0].start < verbose.segments[0].end <= verbose.segments[1].start
     assert verbose.segments[-1].end <= expected.duration_s + 0.02
@@ -205,6 +206,10 @@ def test_bad_requests_are_refused_naming_the_problem(served, clip):
          "timestamp_granularities[]", "word timestamps are not computed"),
         ({**ok, "timestamp_granularities[]": "segment"}, audio, 400, "timestamp_granularities[]",
          "needs response_format=verbose_json"),
+        ({**ok, "response_format": "verbose_json", "timestamp_granularities[]": ["segment", "segment"]}, audio, 400,
+         "timestamp_granularities[]", "more than once"),
+        ({**ok, "response_format": "verbose_json", "timestamp_granularities[]": "sentence"}, audio, 400,
+         "timestamp_granularities[]", "give segment"),
         ({**ok, "include[]": "logprobs"}, audio, 400, "include[]", "not returned"),
         ({**ok, "stream": "true"}, audio, 400, "stream", "not supported"),
         ({**ok, "speed": "2"}, audio, 400, "speed", "not a field of this endpoint"),

@@ -18,7 +18,7 @@ VOCAB, FIRST, EOS, BEGIN = 120, 100, 97, 3  # ids FIRST.. are timestamps; FIRST 
 def test_the_rules_are_transformers_processor_on_every_row(max_initial):
     generation = SimpleNamespace(no_timestamps_token_id=FIRST - 1, eos_token_id=EOS, bos_token_id=EOS,
                                  max_initial_timestamp_index=max_initial)
-    rules = TimestampRules.of(generation)
+    rules = TimestampRules(FIRST, EOS, max_initial)
     processor = WhisperTimeStampLogitsProcessor(generation, begin_index=BEGIN)
     rng, cases = random.Random(0), 0
     for trial in range(400):
@@ -40,3 +40,36 @@ def test_rows_of_the_decoder_prompt_are_left_alone():
     got = rules.apply(logits.clone(), [None, []])
     assert torch.equal(got[0], logits[0])
     assert torch.isinf(got[1, :FIRST]).all()  # the first generated token is a timestamp
+
+
+def test_segments_and_seeking_are_transformers_own():
+    """`split_segments` against transformers' `_retrieve_segment` on random windows of timestamps and text, of every
+    length (a window shorter than 3000 frames ends its last segment where transformers' float32 arithmetic does)."""
+    from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
+
+    from assistgen.speech.transcribe import split_segments
+
+    class Decoder:  # (what split_segments asks of a tokenizer)
+        @staticmethod
+        def decode(ids, skip_special_tokens):
+            return " ".join(map(str, ids))
+
+    rng = random.Random(1)
+    for _ in range(600):
+        tokens, time = [], FIRST + rng.randrange(3)
+        for _ in range(rng.randrange(1, 12)):
+            if rng.random() < 0.35:
+                time += rng.randrange(3)
+                tokens.append(min(time, VOCAB - 1))
+            else:
+                tokens.append(rng.randrange(EOS))
+        frames, seek = rng.choice([3000, rng.randrange(1, 3000)]), rng.randrange(0, 9000)
+        segments, advance = split_segments(tokens + [EOS], FIRST, seek, frames, Decoder, None, EOS)
+        want, want_advance = WhisperGenerationMixin._retrieve_segment(
+            seek_sequence=torch.tensor(tokens), seek_outputs=[None],
+            time_offset=torch.tensor([seek], dtype=torch.float64) * 0.02 / 2, timestamp_begin=FIRST,
+            seek_num_frames=torch.tensor([frames]), time_precision=0.02, time_precision_features=0.01, input_stride=2, prev_idx=0, idx=0, return_token_timestamps=False,
+            decoder_input_ids=torch.zeros(1, 3, dtype=torch.long))
+        assert advance == int(want_advance), (tokens, frames)
+        assert [(s.token_ids, s.start_s, s.end_s) for s in segments] == \
+            [(w["tokens"].tolist(), float(w["start"]), float(w["end"])) for w in want], (tokens, frames, seek)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,6 +33,7 @@ DRAFTERS = {
     "early-exit": {"early_exit": 3},
     "assistant (universal)": {"assistant": "whisper-tiny-en"},
     "assistant (universal, float)": {"assistant": "whisper-tiny-en", "draft_weights": "float"},
+    "assistant (same tokenizer)": {"assistant": "whisper-base"},  # (its own int8 copy, its own encoder)
     "self-draft int8": {"self_draft": True},
     "self-draft int4": {"self_draft": True, "draft_weights": "int4"},
 }
@@ -123,7 +125,7 @@ def test_an_assistants_encoder_is_priced_before_it_runs(whisper_base, whisper_ti
     assert drafter.model.encoded.frames_read == -(-samples.size // 160) + 100  # the audio and a second of padding
     drafter.model.encoded.layers()
     assert drafter.model.startup_s == 0.0  # encoded: nothing left to pay
-    assert expected_tokens(spoken_frames) == int(spoken_frames / 100 * 4.0) + 1  # what the policy prices it against
+    assert expected_tokens(100) == 5  # what the policy prices it against: 4 tokens a second, and the end token
 
 
 def test_the_assistant_drafts_in_int8_by_default(whisper_base, whisper_tiny_en, clip):
@@ -165,7 +167,8 @@ def timestamped(out) -> tuple[list[int], list[tuple[float, float]], str]:
     return [t for s in out.segments for t in s.token_ids], [(s.start_s, s.end_s) for s in out.segments], out.text
 
 
-LONG_DRAFTERS = ["plain", "lookup", "early-exit", "assistant (universal)", "self-draft int8"]
+LONG_DRAFTERS = ["plain", "lookup", "early-exit", "assistant (universal)", "assistant (same tokenizer)",
+                 "self-draft int8"]
 
 
 @pytest.fixture(scope="module")
@@ -211,9 +214,16 @@ def test_short_audio_with_timestamps(whisper_base, clip):
     samples = read_audio(clip)
     reference_out = long_form(whisper_base, samples)
     for kwargs in ({}, {"self_draft": True, "schedule": Constant(k=3)}):
-        out = transcribe(whisper_base, clip, language="en", timestamps=True, **kwargs)
-        assert timestamped(out) == reference_out
+        out = transcribe(whisper_base, clip, timestamps=True, **kwargs)  # (the language detected)
+        assert timestamped(out) == reference_out and out.language == "en"
     assert len(out.segments) >= 2 and out.segments[-1].end_s <= samples.size / 16000
+
+
+def test_thirty_seconds_and_less_than_a_frame_more_is_one_window(whisper_base, clip):
+    samples = read_audio(clip)
+    padded = np.concatenate([samples, np.zeros(16000 * 30 + 159 - len(samples), np.float32)])  # 3000 frames
+    out = transcribe(whisper_base, padded, language="en", max_new_tokens=3)
+    assert not out.timestamps and len(out.windows) == 1  # short-form, as transformers takes 3000 frames
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -222,6 +232,7 @@ def test_short_audio_with_timestamps(whisper_base, clip):
     ({"assistant": "whisper-tiny-en", "early_exit": True}, "Choose one model drafter"),
     ({"self_draft": True, "early_exit": 2}, "Choose one model drafter"),
     ({"self_draft": True, "draft_weights": "float"}, "self_draft needs quantized drafting weights"),
+    ({"condition_on_previous": True}, "needs timestamp decoding"),
     ({"draft_weights": "int2"}, "draft_weights must be one of"),
     ({"max_new_tokens": 0}, "max_new_tokens must be in 1.."),
 ])
@@ -279,7 +290,7 @@ def test_a_transcription_stops_when_its_caller_cancels(whisper_base, clip):
 def test_an_assistant_extracting_the_same_features_reads_the_targets(whisper_base, whisper_tiny_en, clip):
     from assistgen.speech.transcribe import Audio
 
-    audio = Audio(whisper_base, whisper_tiny_en, read_audio(clip), long=False)
+    audio = Audio(whisper_base, whisper_tiny_en, read_audio(clip))
     assert audio.same  # (80 mel bins both)
     assert torch.equal(audio.helper_window(0), whisper_base.window_of(audio.features, 0)[0])
     assert audio.helper_features is None  # extracted once: the target's
@@ -297,6 +308,7 @@ def test_the_cli_prints_the_segments(long_clip):
     assert len(lines) >= 4 and lines[0].startswith("[0.00 --> ") and "harbor" in lines[0]  # over 30 s: timestamps
     run = subprocess.run([sys.executable, "-m", "assistgen.cli.main", "transcribe", long_clip, "--json",
                           "--language", "en", "--quiet-stats"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert [s["text"].strip() for s in out["segments"]] == [line.split("] ", 1)[1] for line in lines]
     assert len(out["windows"]) >= 2 and out["segments"][-1]["end"] <= out["duration"]

@@ -64,7 +64,6 @@ FORM_ROOM = 2**20  # what the form may hold besides the file: the other fields a
 FIELD_BYTES = 256 * 2**10  # the largest field besides the file (a long prompt)
 CLIENT_GONE = 499  # the status a transcription whose client went away is counted under (nginx's)
 DISCONNECT_POLL_S = 0.25  # how often a waiting transcription checks that its client is still there
-FRAMES_PER_SECOND = 100  # Whisper's mel frames (a segment's `seek` counts them)
 
 
 def openapi_form(speech: SpeechService | None) -> dict:
@@ -245,8 +244,8 @@ def refuse_fields(form: FormData) -> None:
     names = [name for name, _ in form.multi_items()]
     for name, value in form.multi_items():
         if name in GRANULARITIES:
-            if names.count(name) > 2:
-                raise APIError(400, f"{name} is given {names.count(name)} times: give each value once.", param=name)
+            if form.getlist(name).count(value) > 1:
+                raise APIError(400, f"{name} gives {value!r} more than once: give each value once.", param=name)
         elif name in TAKEN:
             if names.count(name) > 1:
                 raise APIError(400, f"{name} is given {names.count(name)} times: give it once.", param=name)
@@ -255,7 +254,8 @@ def refuse_fields(form: FormData) -> None:
         elif name in REFUSED:
             raise APIError(400, f"{name}: {REFUSED[name]}", param=name)
         else:
-            raise APIError(400, f"{name} is not a field of this endpoint, which takes {', '.join(TAKEN)}.",
+            raise APIError(400, f"{name} is not a field of this endpoint, which takes "
+                           f"{', '.join((*TAKEN, GRANULARITIES[0]))}.",
                            param=name)
 
 
@@ -304,15 +304,16 @@ def reply(result: Transcription, asked: Asked, service: SpeechService) -> Respon
 
 def segments(result: Transcription, temperature: float, end_token: int) -> list[dict]:
     """verbose_json's segments: the model's own, between its timestamps (`seek`: the first mel frame of the window
-    each was decoded in; its tokens: the text's, timestamps left out)."""
+    each was decoded in; its tokens: the text's, timestamps left out). As Whisper gives them, `avg_logprob` and
+    `compression_ratio` are their window's (its decoding's: every token it generated, the end token included)."""
     out = []
     for window in result.windows:
+        ratio = compression_ratio(window.text)
         for segment in window.segments:
-            out.append({"id": len(out), "seek": round(window.start_s * FRAMES_PER_SECOND),
-                        "start": round(segment.start_s, 3), "end": round(segment.end_s, 3), "text": segment.text,
+            out.append({"id": len(out), "seek": window.seek, "start": round(segment.start_s, 3),
+                        "end": round(segment.end_s, 3), "text": segment.text,
                         "tokens": [t for t in segment.token_ids if t < end_token], "temperature": temperature,
-                        "avg_logprob": segment.avg_logprob, "compression_ratio": compression_ratio(segment.text),
-                        "no_speech_prob": None})
+                        "avg_logprob": window.avg_logprob, "compression_ratio": ratio, "no_speech_prob": None})
     return out
 
 
@@ -324,7 +325,8 @@ def subtitles(result: Transcription, kind: str) -> str:
         ms = round(seconds * 1000)
         return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}{separator}{ms % 1000:03d}"
 
-    cues = [f"{clock(s.start_s)} --> {clock(s.end_s)}\n{s.text.strip()}\n" for s in result.segments]
+    cues = [f"{clock(s.start_s)} --> {clock(s.end_s)}\n{s.text.strip().replace('-->', '->')}\n"
+            for s in result.segments if s.text.strip()]  # (a segment without text is no cue)
     if kind == "srt":
         return "\n".join(f"{i}\n{cue}" for i, cue in enumerate(cues, 1))
     return "WEBVTT\n\n" + "\n".join(cues)

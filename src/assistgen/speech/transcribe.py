@@ -92,9 +92,10 @@ class Window:
     stats: Stats
     logprobs: list[float] | None = None  # each generated token's log-probability under the target (when asked for)
     language: str | None = None  # the language it was decoded in
-    frames: int = 0  # the mel frames of audio it holds
+    seek: int = 0  # its first mel frame
+    frames: int = 0  # the mel frames it reads from `seek` (of audio, or of padding where the audio is shorter)
     segments: list[Segment] = field(default_factory=list)  # what it kept: with timestamps, the segments between
-    # them (`split_segments`); without, the window itself
+    # them (`split_segments`; `text` is theirs, `token_ids` all it generated); without, the window itself
 
     @property
     def avg_logprob(self) -> float | None:
@@ -142,9 +143,11 @@ class Audio:
     long-form, over 30 s: the whole audio's, uncut), and an assistant's when it extracts others (computed on its
     first use), each computed once per transcription."""
 
-    def __init__(self, speech: SpeechModel, helper: SpeechModel | None, samples: np.ndarray, long: bool):
-        self.speech, self.helper, self.samples, self.long = speech, helper, samples, long
-        self.features = speech.long_features(samples) if long else speech.features(samples)  # [1, mels, frames]
+    def __init__(self, speech: SpeechModel, helper: SpeechModel | None, samples: np.ndarray):
+        self.speech, self.helper, self.samples = speech, helper, samples
+        self.long = len(samples) // HOP > speech.extractor.nb_max_frames  # (transformers' test: over 3000 frames)
+        self.features = speech.long_features(samples) if self.long else \
+            speech.features(samples[: SAMPLE_RATE * WINDOW_S])  # [1, mels, frames] (short: under a frame's samples cut)
         self.frames = self.features.shape[-1]  # what seeking covers (short-form: the padded window's 3000)
         self.spoken_frames = -(-len(samples) // HOP)  # the frames that hold audio
         self.duration_s = len(samples) / SAMPLE_RATE
@@ -158,7 +161,8 @@ class Audio:
         if self.same:
             return self.speech.window_of(self.features, seek)[0].to(helper.device, helper.dtype)
         if self.helper_features is None:
-            self.helper_features = helper.long_features(self.samples) if self.long else helper.features(self.samples)
+            self.helper_features = helper.long_features(self.samples) if self.long else \
+                helper.features(self.samples[: SAMPLE_RATE * WINDOW_S])
         return helper.window_of(self.helper_features, seek)[0]
 
 
@@ -189,11 +193,12 @@ class Decoding:
             raise Cancelled("The transcription was cancelled by its caller.")
         speech = self.speech
         features, frames = speech.window_of(audio.features, seek)
-        heard = speech.listen(features, begin=0, timestamps=timestamps)  # the encoder runs here, once per window
+        heard = speech.listen(features, begin=0)  # the encoder runs here, once per window
         if speech.multilingual and language is None:
             language = detect_language(speech, heard)
         ids = speech.decoder_prompt(language, self.task, previous or None, timestamps)
-        heard = replace(heard, begin=len(ids))  # the same input: begin suppression after this decoder prompt
+        heard = replace(heard, begin=len(ids), timestamps=timestamps)  # the same input: begin suppression after this
+        # decoder prompt, and the timestamp rules on the rows after it
         room = heard.context_length - len(ids)
         if self.max_new_tokens is not None and not 1 <= self.max_new_tokens <= room:
             raise ConfigError(f"max_new_tokens must be in 1..{room} for this decoder prompt, got "
@@ -210,9 +215,10 @@ class Decoding:
         text = speech.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         kept = [lp.logprob for lp in result.logprobs] if self.logprobs else None
         start, end = seek / FRAMES_PER_S, min((seek + frames) / FRAMES_PER_S, audio.duration_s)
-        window = Window(start, end, ids, result.token_ids, text, result.stats, kept, language, frames)
+        window = Window(start, end, ids, result.token_ids, text, result.stats, kept, language, seek, frames)
         if not timestamps:
-            window.segments = [Segment(start, end, [t for t in result.token_ids if t != audio.eos], text, kept)]
+            spoken = [t for t in result.token_ids if t != audio.eos]
+            window.segments = [Segment(start, end, spoken, text, None if kept is None else kept[: len(spoken)])]
         return window
 
 
@@ -225,7 +231,7 @@ def split_segments(tokens: list[int], first: int, seek: int, frames: int, tokeni
     if tokens and tokens[-1] == eos:
         tokens = tokens[:-1]
     stamp = [t >= first for t in tokens]
-    offset = seek * FEATURE_S
+    offset = seek * TIMESTAMP_S / FRAMES_PER_TIMESTAMP  # (transformers' arithmetic, to the last bit)
     single_ending = stamp[-2:] == [False, True]
     cuts = [i + 1 for i in range(len(tokens) - 1) if stamp[i] and stamp[i + 1]]
 
@@ -238,7 +244,8 @@ def split_segments(tokens: list[int], first: int, seek: int, frames: int, tokeni
 
     if not cuts:
         stamps = [t for t in tokens if t >= first]
-        last = stamps[-1] if stamps and stamps[-1] != first else first + int(frames * FEATURE_S / TIMESTAMP_S)
+        last = stamps[-1] if stamps and stamps[-1] != first else \
+            first + int(torch.tensor(frames) * FEATURE_S / TIMESTAMP_S)  # (in float32, as transformers computes it)
         return [segment(0, len(tokens), None, last)], frames
     if single_ending:
         cuts.append(len(tokens))
@@ -287,8 +294,8 @@ def exit_layers(speech: SpeechModel, heard: HeardModel, early_exit: bool | int) 
     prompt and the package's sample article)."""
     if early_exit is not True:
         return int(early_exit)
-    if speech.exit_layer is None:
-        speech.exit_layer = calibrate_exit_layer(heard, calibration_ids(speech))[0]
+    if speech.exit_layer is None:  # (on the text without timestamps, whatever this window decodes)
+        speech.exit_layer = calibrate_exit_layer(replace(heard, timestamps=False), calibration_ids(speech))[0]
     return speech.exit_layer
 
 
@@ -334,7 +341,8 @@ def self_drafter(target: HeardModel, scheme: str | None) -> AssistantDrafter:
                        timestamps=target.timestamps)
     if scheme not in speech.agreement:  # once per model: on its first input, over the calibration text
         ids, begin = calibration_ids(speech), len(heard_prompt(speech))
-        speech.agreement[scheme] = agreement(replace(target, begin=begin), replace(heard, begin=begin), ids,
+        speech.agreement[scheme] = agreement(replace(target, begin=begin, timestamps=False),
+                                             replace(heard, begin=begin, timestamps=False), ids,
                                              positions=len(ids) - begin)
         pass_costs(heard)  # its passes timed once (kept on disk): the policy's prior for its cost per token
     return AssistantDrafter(heard, target, acceptance_prior=speech.agreement[scheme])
@@ -392,11 +400,13 @@ def transcribe(model, audio, assistant=None, language: str | None = None, prompt
     earlier = list(speech.tokenizer(" " + prompt.strip(), add_special_tokens=False)["input_ids"]) \
         if prompt and prompt.strip() else []
     earlier = earlier[-(speech.context_length // 2 - 1):]  # (Whisper keeps the prompt's end)
-    long = len(samples) > SAMPLE_RATE * WINDOW_S
-    source = Audio(speech, helper, samples, long)
+    source = Audio(speech, helper, samples)
+    if condition_on_previous and not (timestamps or source.long):
+        raise ConfigError("condition_on_previous gives each 30 s window the text before it: it needs timestamp "
+                          "decoding (timestamps=True; audio over 30 s always has it). Leave it out for one window.")
     decoding = Decoding(speech, helper, task, lookup, early_exit, ngram_cache, self_draft, scheme, schedule,
                         temperature, seed, max_new_tokens, logprobs, cancelled)
-    out = Transcription("", language, len(samples) / SAMPLE_RATE, timestamps=bool(timestamps) or long)
+    out = Transcription("", language, len(samples) / SAMPLE_RATE, timestamps=bool(timestamps) or source.long)
     if out.timestamps:
         out.windows = sequential(decoding, source, language, earlier, condition_on_previous and temperature < 0.5)
         spoken = [t for segment in out.segments for t in segment.token_ids]
@@ -412,7 +422,7 @@ def sequential(decoding: Decoding, source: Audio, language: str | None, earlier:
                conditioned: bool) -> list[Window]:
     """transformers' sequential long-form decoding (see the contract): the windows, each with its segments."""
     speech = decoding.speech
-    first = int(speech.generation.no_timestamps_token_id) + 1
+    first = speech.first_timestamp
     kept: list[list[int]] = [earlier] if earlier else []  # the segments' tokens so far (the prompt first)
     windows, seek = [], 0
     while seek < source.frames:

@@ -54,8 +54,10 @@ class TimestampRules:
     max_initial: int | None  # the latest timestamp the first generated token may be (None: any)
 
     @classmethod
-    def of(cls, generation) -> TimestampRules:
-        return cls(int(generation.no_timestamps_token_id) + 1, int(generation.eos_token_id),
+    def of(cls, speech) -> TimestampRules:
+        """A `speech.SpeechModel`'s rules (its generation config's)."""
+        generation = speech.generation
+        return cls(speech.first_timestamp, int(generation.eos_token_id),
                    getattr(generation, "max_initial_timestamp_index", None))
 
     def apply(self, logits: torch.Tensor, generated: list[list[int] | None]) -> torch.Tensor:
@@ -78,20 +80,20 @@ class TimestampRules:
             view[i, : self.first] = inf
         return logits
 
-    def bounds(self, seq: list[int], vocab: int) -> tuple[int, int, int, int]:
+    def bounds(self, seq: list[int], vocab: int) -> tuple[bool, bool, int, int]:
         """(text allowed, the other ids below the timestamps allowed, the lowest timestamp allowed, the one after the
         highest) for the row after `seq`."""
         first = self.first
         if not seq:  # the first token: a timestamp, at most `max_initial` steps in
-            return 0, 0, first, vocab if self.max_initial is None else min(vocab, first + self.max_initial + 1)
+            return False, False, first, vocab if self.max_initial is None else min(vocab, first + self.max_initial + 1)
         last = seq[-1] >= first
         penultimate = len(seq) < 2 or seq[-2] >= first
-        if last and penultimate:  # a pair just closed: text or the end next
-            return 1, 1, self.first, self.first
+        if last and penultimate:  # a pair just closed (or the first token was a timestamp): text or the end next
+            return True, True, first, first
         latest = next((t for t in reversed(seq) if t >= first), None)
         if last:  # a pair just opened: its closing timestamp (the same time, or later) or the end next
-            return 0, 1, latest, vocab
-        return 1, 1, first if latest is None else latest + 1, vocab  # (no timestamp earlier than the last one)
+            return False, True, latest, vocab
+        return True, True, first if latest is None else latest + 1, vocab  # (no timestamp earlier than the last one)
 
 
 @dataclass(eq=False)
@@ -117,7 +119,7 @@ class HeardModel:
 
     def __post_init__(self):
         self.masks = suppression(self.speech, self.vocab_size, self.device)
-        self.rules = TimestampRules.of(self.speech.generation) if self.timestamps else None
+        self.rules = TimestampRules.of(self.speech) if self.timestamps else None
         if self.draft_vocabulary is None or self.draft_vocabulary >= self.vocab_size:
             self.head = (self.speech.hf.get_output_embeddings(), None)
         else:

@@ -88,6 +88,11 @@ class SpeechModel(OnDevice):
         """The decoder's positions (prompt and generated tokens together)."""
         return self.hf.config.max_target_positions
 
+    @property
+    def first_timestamp(self) -> int:
+        """<|0.00|>: every id from it on is a timestamp (<|notimestamps|> + 1)."""
+        return int(self.generation.no_timestamps_token_id) + 1
+
     def features(self, samples: np.ndarray) -> torch.Tensor:
         """[1, mels, 3000] log-mel features of at most 30 s of 16 kHz mono float samples (padded to 30 s)."""
         if len(samples) > SAMPLE_RATE * WINDOW_S:
@@ -166,7 +171,7 @@ class SpeechModel(OnDevice):
             weight = self.hf.get_output_embeddings().weight  # [vocab, d]
             extra = [int(self.generation.eos_token_id)]
             if timestamps:
-                extra += range(int(self.generation.no_timestamps_token_id) + 1, weight.shape[0])
+                extra += range(self.first_timestamp, weight.shape[0])
             extra = torch.tensor(sorted(set(extra)), device=weight.device)
             kept = torch.cat([weight[:rows], weight[extra]]).detach()  # [rows + extra, d]
             self.draft_heads[rows, timestamps] = (HeadRows(kept) if self.quantization is None
