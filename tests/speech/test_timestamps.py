@@ -68,8 +68,8 @@ def test_segments_and_seeking_are_transformers_own():
         want, want_advance = WhisperGenerationMixin._retrieve_segment(
             seek_sequence=torch.tensor(tokens), seek_outputs=[None],
             time_offset=torch.tensor([seek], dtype=torch.float64) * 0.02 / 2, timestamp_begin=FIRST,
-            seek_num_frames=torch.tensor([frames]), time_precision=0.02, time_precision_features=0.01, input_stride=2, prev_idx=0, idx=0, return_token_timestamps=False,
-            decoder_input_ids=torch.zeros(1, 3, dtype=torch.long))
+            seek_num_frames=torch.tensor([frames]), time_precision=0.02, time_precision_features=0.01, input_stride=2,
+            prev_idx=0, idx=0, return_token_timestamps=False, decoder_input_ids=torch.zeros(1, 3, dtype=torch.long))
         assert advance == int(want_advance), (tokens, frames)
         assert [(s.token_ids, s.start_s, s.end_s) for s in segments] == \
             [(w["tokens"].tolist(), float(w["start"]), float(w["end"])) for w in want], (tokens, frames, seek)
