@@ -21,8 +21,7 @@ from assistgen.stats import Stats
 
 __all__ = [
     "Adaptive", "AssistantDrafter", "AudioError", "Cancelled", "CompositeDrafter", "ConfigError", "Constant",
-    "Conversation",
-    "Draft", "Drafter",
+    "Conversation", "Draft", "Drafter",
     "EarlyExitDrafter", "Generation", "GenerationConfig", "Heuristic", "LoadSettings", "Model", "ModelLoadError",
     "NGramCache", "NGramCacheDrafter", "NoDrafter", "PrefixCache", "PromptLookupDrafter", "Session", "Stats",
     "Structure", "TokenizerMismatchError", "Transcription", "UniversalDrafter", "confidence", "generate", "load_model",

@@ -64,7 +64,7 @@ def test_segments_and_seeking_are_transformers_own():
             else:
                 tokens.append(rng.randrange(EOS))
         frames, seek = rng.choice([3000, rng.randrange(1, 3000)]), rng.randrange(0, 9000)
-        segments, advance = split_segments(tokens + [EOS], FIRST, seek, frames, Decoder, None, EOS)
+        segments, advance = split_segments(tokens + [EOS], FIRST, seek, frames, Decoder, EOS)
         want, want_advance = WhisperGenerationMixin._retrieve_segment(
             seek_sequence=torch.tensor(tokens), seek_outputs=[None],
             time_offset=torch.tensor([seek], dtype=torch.float64) * 0.02 / 2, timestamp_begin=FIRST,

@@ -69,7 +69,7 @@ class SpeechService:
     @property
     def end_token(self) -> int:
         """The end-of-transcript id; every id from it on is special (languages, tasks, timestamps)."""
-        return int(self.model.generation.eos_token_id)
+        return self.model.end_token
 
     async def run(self, samples: np.ndarray, language: str | None, prompt: str | None, temperature: float,
                   stop: threading.Event | None = None, timestamps: bool = False) -> Transcription:

@@ -72,12 +72,6 @@ class Segment:
     end_s: float
     token_ids: list[int]  # its tokens, timestamps included, the end token not
     text: str
-    logprobs: list[float] | None = None  # its tokens' log-probabilities under the target (when asked for)
-
-    @property
-    def avg_logprob(self) -> float | None:
-        """The mean log-probability of its tokens (Whisper's avg_logprob)."""
-        return sum(self.logprobs) / len(self.logprobs) if self.logprobs else None
 
 
 @dataclass
@@ -151,15 +145,14 @@ class Audio:
         self.frames = self.features.shape[-1]  # what seeking covers (short-form: the padded window's 3000)
         self.spoken_frames = -(-len(samples) // HOP)  # the frames that hold audio
         self.duration_s = len(samples) / SAMPLE_RATE
-        self.eos = int(speech.generation.eos_token_id)
         self.same = helper is None or helper.extractor.to_dict() == speech.extractor.to_dict()
         self.helper_features = None
 
-    def helper_window(self, seek: int) -> torch.Tensor:
-        """The assistant's features of the window from frame `seek` [1, mels, 3000]."""
+    def helper_window(self, seek: int, window: torch.Tensor) -> torch.Tensor:
+        """The assistant's features of the window from frame `seek` [1, mels, 3000] (`window`: the target's)."""
         helper = self.helper
         if self.same:
-            return self.speech.window_of(self.features, seek)[0].to(helper.device, helper.dtype)
+            return window.to(helper.device, helper.dtype)
         if self.helper_features is None:
             self.helper_features = helper.long_features(self.samples) if self.long else \
                 helper.features(self.samples[: SAMPLE_RATE * WINDOW_S])
@@ -204,7 +197,7 @@ class Decoding:
             raise ConfigError(f"max_new_tokens must be in 1..{room} for this decoder prompt, got "
                               f"{self.max_new_tokens}.")
         spoken = max(0, min(frames, audio.spoken_frames - seek))  # the frames of it that hold audio
-        drafter = assistant_drafter(heard, self.helper, audio.helper_window(seek), spoken, language) \
+        drafter = assistant_drafter(heard, self.helper, audio.helper_window(seek, features), spoken, language) \
             if self.helper is not None else self_drafter(heard, self.scheme) if self.self_draft else None
         exit_n = exit_layers(speech, heard, self.early_exit) if self.early_exit else False
         result = generate(heard, ids, assistant=drafter, lookup=self.lookup, early_exit=exit_n,
@@ -217,12 +210,11 @@ class Decoding:
         start, end = seek / FRAMES_PER_S, min((seek + frames) / FRAMES_PER_S, audio.duration_s)
         window = Window(start, end, ids, result.token_ids, text, result.stats, kept, language, seek, frames)
         if not timestamps:
-            spoken = [t for t in result.token_ids if t != audio.eos]
-            window.segments = [Segment(start, end, spoken, text, None if kept is None else kept[: len(spoken)])]
+            window.segments = [Segment(start, end, [t for t in result.token_ids if t != speech.end_token], text)]
         return window
 
 
-def split_segments(tokens: list[int], first: int, seek: int, frames: int, tokenizer, logprobs: list[float] | None,
+def split_segments(tokens: list[int], first: int, seek: int, frames: int, tokenizer,
                    eos: int) -> tuple[list[Segment], int]:
     """(the segments of a window decoded with timestamps, the frames to seek on by), as transformers' long-form
     decoding cuts them: at each pair of consecutive timestamps; a window that ends with a single timestamp holds no
@@ -239,8 +231,7 @@ def split_segments(tokens: list[int], first: int, seek: int, frames: int, tokeni
         piece = tokens[begin:end]
         start = offset + (0.0 if first_stamp is None else (first_stamp - first) * TIMESTAMP_S)
         return Segment(start, offset + (last_stamp - first) * TIMESTAMP_S, piece,
-                       tokenizer.decode(piece, skip_special_tokens=True),
-                       None if logprobs is None else logprobs[begin:end])
+                       tokenizer.decode(piece, skip_special_tokens=True))
 
     if not cuts:
         stamps = [t for t in tokens if t >= first]
@@ -430,7 +421,7 @@ def sequential(decoding: Decoding, source: Audio, language: str | None, earlier:
         window = decoding.window(source, seek, language, previous, timestamps=True)
         language = window.language
         window.segments, advance = split_segments(window.token_ids, first, seek, window.frames, speech.tokenizer,
-                                                  window.logprobs, source.eos)
+                                                  speech.end_token)
         window.text = "".join(segment.text for segment in window.segments)
         kept.extend(segment.token_ids for segment in window.segments)
         windows.append(window)

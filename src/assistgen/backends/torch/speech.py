@@ -89,6 +89,11 @@ class SpeechModel(OnDevice):
         return self.hf.config.max_target_positions
 
     @property
+    def end_token(self) -> int:
+        """<|endoftext|>: the end of a transcript; every id from it on is special (languages, tasks, timestamps)."""
+        return int(self.generation.eos_token_id)
+
+    @property
     def first_timestamp(self) -> int:
         """<|0.00|>: every id from it on is a timestamp (<|notimestamps|> + 1)."""
         return int(self.generation.no_timestamps_token_id) + 1
@@ -98,14 +103,14 @@ class SpeechModel(OnDevice):
         if len(samples) > SAMPLE_RATE * WINDOW_S:
             raise ValueError(f"one window holds at most {WINDOW_S} s; got {len(samples) / SAMPLE_RATE:.1f} s")
         out = self.extractor(samples, sampling_rate=SAMPLE_RATE, return_tensors="pt")
-        return out.input_features.to(model_device(self.hf), self.hf.dtype)
+        return out.input_features.to(self.device, self.dtype)
 
     def long_features(self, samples: np.ndarray) -> torch.Tensor:
         """[1, mels, frames] log-mel features of the whole audio, not cut nor padded (transformers' long-form input:
         its level is normalized over the whole audio, so a window's features differ from `features` of its samples)."""
         out = self.extractor(samples, sampling_rate=SAMPLE_RATE, return_tensors="pt", truncation=False,
                              padding="longest")
-        return out.input_features.to(model_device(self.hf), self.hf.dtype)
+        return out.input_features.to(self.device, self.dtype)
 
     def window_of(self, features: torch.Tensor, seek: int) -> tuple[torch.Tensor, int]:
         """(the 30 s window of `long_features` from frame `seek`, padded with zeros as transformers' long-form pads
@@ -138,7 +143,7 @@ class SpeechModel(OnDevice):
         layers. Measured costs no longer hold and are dropped."""
         from assistgen.backends.torch.transforms import small_rows_linear, tune_routes
 
-        if model_device(self.hf).type == "cpu" and mode and \
+        if self.device.type == "cpu" and mode and \
                 small_rows_linear(self.hf, mode="on" if mode == "on" else "auto", routes="mkl"):
             tune_routes(self, timed=self.silence, context=ROUTE_CONTEXT)
         self.costs = None
