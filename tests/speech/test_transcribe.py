@@ -233,6 +233,7 @@ def test_thirty_seconds_and_less_than_a_frame_more_is_one_window(whisper_base, c
     ({"self_draft": True, "early_exit": 2}, "Choose one model drafter"),
     ({"self_draft": True, "draft_weights": "float"}, "self_draft needs quantized drafting weights"),
     ({"condition_on_previous": True}, "needs timestamp decoding"),
+    ({"condition_on_previous": True, "timestamps": True, "temperature": 0.7}, "temperatures below 0.5"),
     ({"draft_weights": "int2"}, "draft_weights must be one of"),
     ({"max_new_tokens": 0}, "max_new_tokens must be in 1.."),
 ])

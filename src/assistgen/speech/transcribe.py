@@ -367,11 +367,11 @@ def transcribe(model, audio, assistant=None, language: str | None = None, prompt
     """Transcribe `audio` (a path, bytes, a binary file, or 16 kHz mono samples) with `model` (see the contract);
     `self_draft`: the target's own decoder in quantized weights drafts; `draft_weights` ("auto", "int8", "int4",
     "float"): the weights of a drafting model (the assistant, the self-draft); `logprobs`: keep each window's token
-    log-probabilities (`Window.logprobs`); `timestamps`: decode with timestamps into segments (always, for audio
-    over 30 s); `condition_on_previous`: with timestamps, each window's decoder prompt holds the text before it
-    (transformers' `condition_on_prev_tokens`; at temperatures below 0.5); `cancelled`: asked before each window
-    and after each decoding step; once it answers True the transcription stops and raises `config.Cancelled` (a
-    server's client gone)."""
+    log-probabilities (`Window.logprobs`); `timestamps`: decode with timestamps into segments (always, for audio over 30
+    s); `condition_on_previous`: with timestamps, each window's decoder prompt holds the text before it (transformers'
+    `condition_on_prev_tokens`; at temperatures below 0.5, a ConfigError above); `cancelled`: asked before each window
+    and after each decoding step; once it answers True the transcription stops and raises `config.Cancelled` (a server's
+    client gone)."""
     check_cancelled(cancelled)
     samples = read_audio(audio, max_seconds, name=str(audio) if isinstance(audio, (str, os.PathLike)) else "the audio")
     speech = as_speech_model(model)
@@ -395,11 +395,15 @@ def transcribe(model, audio, assistant=None, language: str | None = None, prompt
     if condition_on_previous and not (timestamps or source.long):
         raise ConfigError("condition_on_previous gives each 30 s window the text before it: it needs timestamp "
                           "decoding (timestamps=True; audio over 30 s always has it). Leave it out for one window.")
+    if condition_on_previous and temperature >= 0.5:
+        raise ConfigError(f"condition_on_previous holds at temperatures below 0.5 only (as transformers' "
+                          f"condition_on_prev_tokens: a high temperature's text is not kept as context); got "
+                          f"temperature={temperature}. Lower it, or leave condition_on_previous out.")
     decoding = Decoding(speech, helper, task, lookup, early_exit, ngram_cache, self_draft, scheme, schedule,
                         temperature, seed, max_new_tokens, logprobs, cancelled)
     out = Transcription("", language, len(samples) / SAMPLE_RATE, timestamps=bool(timestamps) or source.long)
     if out.timestamps:
-        out.windows = sequential(decoding, source, language, earlier, condition_on_previous and temperature < 0.5)
+        out.windows = sequential(decoding, source, language, earlier, condition_on_previous)
         spoken = [t for segment in out.segments for t in segment.token_ids]
         out.text = speech.tokenizer.decode(spoken, skip_special_tokens=True).strip()
     else:  # transformers' short-form: one window, no timestamps
