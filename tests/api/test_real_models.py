@@ -102,7 +102,8 @@ def test_cli_generate_and_models(capsys):
     assert "early exit" in capsys.readouterr().err
     assert main(["calibrate", "--model", "smollm2-135m", "--backend", "torch"]) == 0
     out = capsys.readouterr().out
-    assert "k=0:1.00" in out and "linear route by rows: 1-" in out
+    assert "k=0:1.00" in out  # the small-row transform is the CPU's choice: either way calibrate says which
+    assert ("linear route by rows: 1-" in out) != ("linear routes: not applied" in out)
 
 
 UNIVERSAL_PROMPTS = {

@@ -91,6 +91,20 @@ def human_size(n: int) -> str:
     return f"{n} B"
 
 
+def kernel_lines(llama: dict) -> list[str]:
+    """Which kernel families ggml's CPU backend uses here, and what the start-up probe's kernel check found: for each
+    type and buffer type, whether 1-5 rows in one pass give each row the one-row pass's bits."""
+    pad = " " * 21
+    families = ", ".join(f"{name} {'yes' if used else 'no'}" for name, used in llama["families"].items())
+    lines = [f"{pad}kernel families in use: {families} (AMX never: its tile kernels are not row-exact)"]
+    for switch, label in ((True, "row-exact switch on"), (False, "fast kernels")):
+        rows = [r for r in llama["kernel_check"] if r[2] is switch]
+        differ = [f"{name} in {buft} from {n} rows" for name, buft, _, n in rows if n is not None]
+        lines.append(f"{pad}kernel check, {label}: " + (f"{len(rows) - len(differ)} of {len(rows)} row-exact"
+                     + (f"; not: {', '.join(differ)}" if differ else "")))
+    return lines
+
+
 def report(info: dict) -> str:
     lines = [f"assistgen {info['packages']['assistgen']} on Python {info['python']} ({info['platform']})", "",
              "packages:"]
@@ -107,6 +121,7 @@ def report(info: dict) -> str:
                  "`pip uninstall llama-cpp-python` then `pip install 'assistgen[llamacpp]'` (or `make llamacpp`) "
                  "installs the patched ones")
         lines += [f"  llama.cpp          yes, {exact}", f"                     libraries: {llama['library']}",
+                  f"                     CPU library: {llama['cpu_library']}", *kernel_lines(llama),
                   f"                     ggml: {llama['system_info']}"]
     cpu = info["cpu"]
     lines += ["", f"cpu: {cpu['name']} ({cpu['machine']}), {cpu['usable']} of {cpu['cores']} cores usable",

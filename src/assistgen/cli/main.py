@@ -211,6 +211,7 @@ def runs(values: list, start: int) -> list[tuple[int, int, object]]:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from assistgen.api import prepare
     from assistgen.backends.loader import load
+    from assistgen.backends.torch.model import Model
     from assistgen.backends.torch.transforms import routes_path
     from assistgen.policy.costs import costs_path
 
@@ -225,6 +226,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         padded = [f"{n}->{p}" for n, p in enumerate(routes["padded"]) if p != n]
         print("rows run padded: " + (", ".join(padded) if padded else "none"))
         print(f"routes measured {routes.get('measured', '?')}; cached in {routes_path(model)}")
+    elif isinstance(model, Model) and model.device.type == "cpu":
+        print("linear routes: not applied (the small-row transform measured no faster than PyTorch's linear on this "
+              "CPU)")
     print(f"costs measured {record.get('measured', '?')}; cached in {costs_path(model)}")
     return 0
 

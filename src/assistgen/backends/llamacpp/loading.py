@@ -20,12 +20,14 @@ from __future__ import annotations
 import collections
 import ctypes
 import importlib.util
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from assistgen.backends.budget import check_model_budget, resident
 from assistgen.backends.embedded import EMBEDDED, ModelLoadError, say
 from assistgen.backends.llamacpp.convert import converted_gguf
+from assistgen.backends.llamacpp.guard import check_cpu
+from assistgen.backends.llamacpp.kernels import kernel_families, load_backends
 from assistgen.backends.llamacpp.model import DEFAULT_CONTEXT, LlamaModel, LlamaSettings, cell_bytes, kernel_switch
 from assistgen.config import DEFAULT_PREFIX_CACHE
 from assistgen.paths import cache_root, replaced_atomically, safe_name
@@ -134,8 +136,26 @@ _GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12
 
 
 def tensor_sizes(path: Path) -> dict[str, int]:
-    """{tensor name: bytes} from a GGUF file's header, the metadata skipped over unparsed (gguf's reader builds arrays
-    of the whole vocabulary, hundreds of MB for a moment); a tensor's size is the distance to the next one's data."""
+    """{tensor name: bytes} from a GGUF file's header; a tensor's size is the distance to the next one's data."""
+    infos, end = tensor_infos(path)
+    starts = sorted(info.offset for info in infos.values())
+    by_start = dict(zip(starts, starts[1:] + [end], strict=True))
+    return {name: by_start[info.offset] - info.offset for name, info in infos.items()}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a GGUF file: its shape (ggml's order: the row length first), ggml type id, and where its data
+    starts (bytes from the start of the file)."""
+
+    shape: tuple[int, ...]
+    ggml_type: int
+    offset: int
+
+
+def tensor_infos(path: Path) -> tuple[dict[str, TensorInfo], int]:
+    """({tensor name: TensorInfo}, the file's size) from a GGUF file's header, the metadata skipped over unparsed
+    (gguf's reader builds arrays of the whole vocabulary, hundreds of MB for a moment)."""
     import struct
 
     with open(path, "rb") as f:
@@ -170,16 +190,16 @@ def tensor_sizes(path: Path) -> dict[str, int]:
                 alignment = read("I")[0]
             else:
                 skip_value(kind)
-        offsets = {}
+        raw = {}
         for _ in range(n_tensors):
             name = f.read(read("Q")[0]).decode()
             dims = read("I")[0]
-            f.seek(8 * dims + 4, 1)  # (shape, type)
-            offsets[name] = read("Q")[0]
+            shape = read("Q" * dims)
+            kind, offset = read("IQ")
+            raw[name] = (shape, kind, offset)
         data = -(-f.tell() // alignment) * alignment
-    ends = sorted(offsets.values())[1:] + [path.stat().st_size - data]
-    by_start = dict(zip(sorted(offsets.values()), ends, strict=True))
-    return {name: by_start[start] - start for name, start in offsets.items()}
+    infos = {name: TensorInfo(tuple(shape), kind, data + offset) for name, (shape, kind, offset) in raw.items()}
+    return infos, path.stat().st_size
 
 
 def library():
@@ -191,8 +211,10 @@ def library():
     # ggml's tiled K-quant matmul (taken for 8 or more rows of weights that are not repacked) gives a row other
     # bits than the one-row kernel, and measured slower here: off unless the user set it (docs/benchmarks.md).
     os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+    check_cpu()  # the libraries tried in a child process first: a build this CPU cannot run is an error, not SIGILL
     import llama_cpp.llama_cpp as lib
 
+    load_backends()  # a portable build's CPU library for this CPU
     return lib
 
 
@@ -283,6 +305,9 @@ def library_report() -> dict:
         return {"available": False, "install": INSTALL}
     lib = library()
     _capture_log(lib)
+    probe = check_cpu()
+    system_info = lib.llama_print_system_info().decode(errors="replace").strip()
     return {"available": True, "library": str(Path(lib._lib._name).resolve().parent),
-            "row_exact": kernel_switch(lib) is not None,
-            "system_info": lib.llama_print_system_info().decode(errors="replace").strip()}
+            "row_exact": kernel_switch(lib) is not None, "system_info": system_info,
+            "cpu_library": probe.get("variant") or "built in", "extra_buffer_types": probe.get("extra", []),
+            "families": kernel_families(system_info, probe.get("extra", [])), "kernel_check": probe.get("rows", [])}

