@@ -1,7 +1,8 @@
 """The kernel check on this machine's kernels, and the start-up guard.
 
 Every matmul weight type of the shipped models (and its row length), in every buffer type ggml gives it here, must
-give rows 1..64 of one pass the one-row pass's bits with the row-exact switch on: whatever CPU runs this (AVX2,
+give rows 1..65 of one pass (a copy of LONG_K = 64 tokens verified, and its bonus row) the one-row pass's bits with
+the row-exact switch on: whatever CPU runs this (AVX2,
 AVX-512, AMX), its own kernels are held to it. The check must be able to see a kernel that is not row-exact (ggml's
 fast f32 kernel is not). The guard turns a library this CPU cannot run into an error naming the fix: a child that
 executes an instruction the CPU refuses (ud2: a real SIGILL) stands for one."""
@@ -13,6 +14,7 @@ import importlib.util
 import pytest
 
 from assistgen import ModelLoadError
+from assistgen.backends.base import LONG_K
 from assistgen.backends.embedded import EMBEDDED
 from assistgen.backends.llamacpp import guard
 from assistgen.backends.llamacpp.kernels import Case, check_rows, library_dir, model_cases
@@ -35,10 +37,10 @@ def cases() -> list[Case]:
     return sorted(found, key=lambda c: (c.ggml_type, c.row_length))
 
 
-def test_every_kernel_of_the_shipped_models_gives_rows_1_to_64_the_one_row_bits(cases):
+def test_every_kernel_of_the_shipped_models_gives_rows_1_to_65_the_one_row_bits(cases):
     types = {c.name.split("[")[0] for c in cases}
     assert {"q4_1", "q8_0", "q4_K", "q5_0", "q6_K"} <= types  # SmolLM2's and Gemma-3's
-    found = check_rows(cases, max_rows=64, switch_states=(True,))
+    found = check_rows(cases, max_rows=LONG_K + 1, switch_states=(True,))
     not_exact = [(r.case.name, r.buffer_type, r.first_differing_rows, r.largest_difference) for r in found
                  if not r.exact]
     assert not not_exact, f"kernels not row-exact on this CPU under the switch: {not_exact}"

@@ -31,7 +31,7 @@ from assistgen.backends.base import Capabilities
 from assistgen.policy.acceptance import Acceptance
 from assistgen.policy.adaptive import AdaptiveRun
 from assistgen.policy.costs import pass_costs
-from assistgen.policy.gain import MAX_K, best_lookahead, expected_gain, expected_tokens, finishing_pays
+from assistgen.policy.gain import LONG_K, MAX_K, best_lookahead, expected_gain, expected_tokens, finishing_pays
 from assistgen.spec.steps import StepOutcome
 
 FLAT = [1.0] * 17  # verification as cheap as one token (the GPU picture)
@@ -92,7 +92,7 @@ def step(draft: list[int], part: str, verified: int, accepted: int, token: int, 
 
 def test_a_cheap_drafter_is_trimmed_to_zero_when_wrong_and_comes_back_when_right():
     policy = Adaptive(curve=[1.0 + 0.2 * k for k in range(17)]).prepare(None, [Cheap()])
-    assert policy.next_k(Cheap()) == 16  # free: propose as much as possible, trim afterwards
+    assert policy.next_k(Cheap()) == LONG_K  # free: propose as much as possible (a copy), trim afterwards
     for _ in range(20):  # every draft wrong at its first token
         draft = [7] * 16
         n = verified(policy, Draft(draft, source="lookup"), "lookup")
@@ -105,6 +105,30 @@ def test_a_cheap_drafter_is_trimmed_to_zero_when_wrong_and_comes_back_when_right
         n = verified(policy, Draft(draft, source="lookup"), "lookup")
         policy.update(step(draft, "lookup", n, n, token=5))
     assert verified(policy, Draft([5] * 16, source="lookup"), "lookup") >= 4
+
+
+def test_a_copy_that_keeps_being_accepted_is_verified_past_max_k_where_wide_passes_pay():
+    """Copies of up to LONG_K tokens, as llama-server's n-gram modes verify: a free drafter is asked for that many, and
+    once its deep positions are seen accepted a step verifies past MAX_K where the wide passes' costs make it pay; where
+    every verified token costs a full step it pays nowhere; and a target whose kernels keep rows exact only to
+    1 + MAX_K rows (`capabilities.verify_rows`: the torch backend) is never asked for more."""
+    def copy_steps(policy, steps: int = 30) -> int:
+        for _ in range(steps):  # a long copy, accepted whole every time
+            draft = [5] * policy.next_k(Cheap())
+            n = verified(policy, Draft(draft, source="lookup"), "lookup")
+            policy.update(step(draft, "lookup", n, n, token=5))
+        return verified(policy, Draft([5] * policy.next_k(Cheap()), source="lookup"), "lookup")
+
+    cheap_rows = Adaptive(curve=[1.0 + 0.05 * k for k in range(17)]).prepare(None, [Cheap()])  # (rows past the curve:
+    assert cheap_rows.next_k(Cheap()) == LONG_K  # its slope continued)
+    assert MAX_K < copy_steps(cheap_rows) <= LONG_K
+    assert copy_steps(Adaptive(curve=LINEAR).prepare(None, [Cheap()])) == 0
+    torch_like = SimpleNamespace(capabilities=Capabilities(verify_rows=1 + MAX_K), costs=None)
+    bounded = Adaptive(curve=[1.0 + 0.05 * k for k in range(17)]).prepare(torch_like, [Cheap()])
+    assert bounded.next_k(Cheap()) == MAX_K and copy_steps(bounded) == MAX_K
+    assert Adaptive(max_k=8).long_k == 8  # a schedule capped by hand stays capped (adaptive:8)
+    with pytest.raises(ValueError, match="LONG_K"):
+        Adaptive(long_k=LONG_K + 1)
 
 
 def test_a_costly_drafter_is_switched_off_probed_and_switched_back_on():

@@ -43,7 +43,9 @@ from typing import Any, Protocol
 
 import torch
 
-MAX_K = 16  # the most draft tokens one verification step feeds (1 + MAX_K rows): the policy's and the kernels' bound
+MAX_K = 16  # the most draft tokens one verification step feeds (1 + MAX_K rows) of a model drafter's draft
+LONG_K = 64  # the most of a copy's (a free drafter's: prompt lookup, the n-gram cache, suffixes), as llama-server's
+# n-gram modes; the kernels' bound is 1 + LONG_K rows
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ class Capabilities:
     inexact_reason: str = ""  # with exact False: why, and the fix
     offloaded: bool = False  # its weights stay in their file beyond a memory budget and are read in again per pass:
     # a pass's time is set by that reading, not by the rows it computes (the policy prices it so)
+    verify_rows: int = 1 + MAX_K  # the most rows of one sequence a verification pass may feed, each row still given
+    # the one-row pass's bits (the kernels checked that far): copies are verified up to verify_rows - 1 tokens
 
 
 class Cache(Protocol):

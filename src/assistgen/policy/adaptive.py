@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from assistgen.policy.acceptance import Acceptance
 from assistgen.policy.alternatives import AlternativesRun
 from assistgen.policy.costs import PassCosts, pass_costs, plain_seconds
-from assistgen.policy.gain import MAX_K, best_lookahead
+from assistgen.policy.gain import LONG_K, MAX_K, best_lookahead
 from assistgen.policy.online import OnlineCosts
 from assistgen.policy.rules import check_k
 from assistgen.spec.drafts import Draft, Drafter
@@ -54,6 +54,9 @@ class Adaptive:
     """
 
     max_k: int = MAX_K
+    # The most tokens a free drafter (a copy) is asked for; the step verifies as many as its estimate and the wide
+    # passes' measured costs say pay (`lengths.verified_lengths`). None: LONG_K with the default max_k, else max_k.
+    long_k: int | None = None
     weight: float = 0.2  # EMA weight of a new acceptance observation
     prior: float = 0.5  # acceptance assumed before any observation
     # For free drafters, a draft position never verified yet is assumed at least this likely to be accepted, given
@@ -82,6 +85,9 @@ class Adaptive:
 
     def __post_init__(self):
         check_k("max_k", self.max_k, 1)
+        if self.long_k is None:
+            object.__setattr__(self, "long_k", LONG_K if self.max_k == MAX_K else self.max_k)
+        check_k("long_k", self.long_k, self.max_k, LONG_K)
         if self.alternatives < 0 or self.flat < 0:
             raise ValueError(f"need alternatives >= 0 and flat >= 0, got {self.alternatives}, {self.flat}")
         if not 0.0 < self.weight <= 1.0 or not 0.0 <= self.prior <= 1.0 or not 0.0 <= self.unseen_floor <= 1.0:
@@ -134,6 +140,9 @@ class AdaptiveRun:
         self.measured: PassCosts | None = None  # None for plain decoding: nothing to choose
         self.online: OnlineCosts | None = None  # the passes' time as they run (when measuring)
         self.alternatives: AlternativesRun | None = None  # other drafts verified beside the sequence's own
+        # the most tokens of a copy a step verifies: the settings', within the rows the target's kernels keep exact
+        rows = target.capabilities.verify_rows if target is not None else 1 + settings.long_k
+        self.long_k = max(settings.max_k, min(settings.long_k, rows - 1))
         if not drafters:
             return
         if settings.curve is not None:
@@ -150,7 +159,8 @@ class AdaptiveRun:
                 # (early exit's, the self-draft's) counts as a full window of the moving average's observations: one
                 # rejection then moves it as much as any later one does, not halfway to 0
                 self.acceptance[drafter.name] = Acceptance(float(drafter.acceptance_prior), settings.weight,
-                                                           settings.max_k + 1, prior_weight=1.0 / settings.weight,
+                                                           self.positions(drafter.name),
+                                                           prior_weight=1.0 / settings.weight,
                                                            pooled=not self.is_free(drafter.name))
 
     def estimate(self, source: str, drafter_name: str = "") -> Acceptance:
@@ -161,7 +171,7 @@ class AdaptiveRun:
             pooled = self.acceptance.get(drafter_name) if drafter_name and drafter_name != source else None
             start = pooled.estimate(cautious=False) if pooled is not None else None
             free = self.is_free(drafter_name or source)
-            self.acceptance[source] = Acceptance(s.prior, s.weight, s.max_k + 1, start,
+            self.acceptance[source] = Acceptance(s.prior, s.weight, self.positions(drafter_name or source), start,
                                                  s.unseen_floor if free else 0.0, caution=s.caution if free else 0.0,
                                                  pooled=not free)
         return self.acceptance[source]
@@ -196,14 +206,18 @@ class AdaptiveRun:
     def is_free(self, drafter_name: str) -> bool:
         return self.drafter_cost.get(drafter_name, 0.0) < self.settings.free_cost
 
+    def positions(self, drafter_name: str) -> int:
+        """The draft positions a drafter's estimates follow: a copy's up to `long_k`, a model drafter's `max_k`."""
+        return (self.long_k if self.is_free(drafter_name) else self.settings.max_k) + 1
+
     def k_max(self) -> int:
         return min(self.settings.max_k, len(self.curve) - 1)
 
     def next_k(self, drafter: Drafter) -> int:
         name = drafter.name
         c = self.drafter_cost.get(name, 0.0)
-        if c < self.settings.free_cost:
-            return self.k_max()
+        if c < self.settings.free_cost:  # a copy: as long as it goes, then verified as far as it pays
+            return self.long_k
         if name not in self.timed:  # a prior, in plain steps as measured: the passes' extra time is not the drafter's
             c /= self.slowdown()
         extra = self.first_extra[name] = self.first_pass_extra(drafter)

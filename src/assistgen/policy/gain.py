@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from assistgen.backends.base import MAX_K  # noqa: F401 - re-exported: the most draft tokens one step verifies
+from assistgen.backends.base import LONG_K, MAX_K  # noqa: F401 - re-exported: the most draft tokens a step verifies
 
 
 def expected_tokens(rates: list[float], k: float) -> float:

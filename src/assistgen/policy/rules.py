@@ -17,10 +17,11 @@ from assistgen.spec.drafts import Draft
 from assistgen.spec.steps import StepOutcome
 
 
-def check_k(name: str, k: int, low: int) -> None:
-    if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= MAX_K:
-        raise ValueError(f"{name} must be an integer in {low}..{MAX_K} (MAX_K, the most draft tokens a step "
-                         f"verifies), got {k!r}")
+def check_k(name: str, k: int, low: int, high: int = MAX_K) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= high:
+        bound = "MAX_K, the most draft tokens a step verifies" if high == MAX_K else \
+            "LONG_K, the most tokens of a copy a step verifies"
+        raise ValueError(f"{name} must be an integer in {low}..{high} ({bound}), got {k!r}")
 
 
 @dataclass(frozen=True)

@@ -108,13 +108,7 @@ class _Cpu:
         self.backend = api["ggml_backend_dev_init"](self.device, None)
         set_threads = proc("ggml_backend_set_n_threads", None, ctypes.c_void_p, ctypes.c_int)
         set_threads(self.backend, threads)
-        self.switch = proc("ggml_cpu_assistgen_row_exact", None, ctypes.c_bool)
-        if self.switch is None:  # a build before the switch was reachable through the registry
-            try:
-                self.switch = ctypes.CDLL(str(lib_dir / "libggml-cpu.so")).ggml_cpu_assistgen_row_exact
-                self.switch.argtypes, self.switch.restype = [ctypes.c_bool], None
-            except (OSError, AttributeError):
-                self.switch = None
+        self.switch = row_exact_switch(lib_dir)
         extra = proc("ggml_backend_dev_get_extra_bufts", ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
         self.extra: list[int] = []
         if extra is not None:
@@ -130,6 +124,20 @@ class _Cpu:
 
     def close(self) -> None:
         self.api["ggml_backend_free"](self.backend)
+
+
+def row_exact_switch(lib_dir: Path | None = None):
+    """The patch's `ggml_cpu_assistgen_row_exact(bool)` of the CPU backend loaded (typed): it turns ggml's row-exact
+    CPU kernels on or off for the passes that follow; None on a build without the patch."""
+    lib_dir = lib_dir or library_dir()
+    switch = cpu_proc("ggml_cpu_assistgen_row_exact", None, ctypes.c_bool, lib_dir=lib_dir)
+    if switch is None:  # builds of the patch before 0.3.36.3 export it from libggml-cpu only
+        try:
+            switch = ctypes.CDLL(str(lib_dir / "libggml-cpu.so")).ggml_cpu_assistgen_row_exact
+        except (OSError, AttributeError):
+            return None
+        switch.argtypes, switch.restype = [ctypes.c_bool], None
+    return switch
 
 
 def _context(api, mb: int = 4):

@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from assistgen.backends.base import Capabilities, Feed, synced
-from assistgen.backends.llamacpp.kernels import cpu_proc
+from assistgen.backends.base import LONG_K, Capabilities, Feed, synced
+from assistgen.backends.llamacpp.kernels import row_exact_switch
 from assistgen.backends.machine import cpu_name
 
 
@@ -115,7 +115,8 @@ class LlamaModel:
         self._switch = kernel_switch(lib)
         reason = inexact_reason(self._switch, settings)  # "" exactly when row_exact
         self.capabilities = Capabilities(exact=not reason, inexact_reason=reason,
-                                         offloaded=settings.max_memory is not None)
+                                         offloaded=settings.max_memory is not None,
+                                         verify_rows=1 + LONG_K)  # the kernel check's rows (tests/backends)
         if reason:
             warn_inexact(reason)
         self._batch = _Batch(lib, self._n_batch)
@@ -414,17 +415,8 @@ def warn_inexact(reason: str) -> None:
 
 def kernel_switch(lib):
     """The function that turns ggml's row-exact CPU kernels on or off for the passes that follow (the one that
-    `make llamacpp`'s patch adds to ggml's CPU backend, found through ggml's registry), or None on a build without
-    it."""
-    lib_dir = Path(lib._lib._name).resolve().parent
-    switch = cpu_proc("ggml_cpu_assistgen_row_exact", None, ctypes.c_bool, lib_dir=lib_dir)
-    if switch is None:  # builds of the patch before 0.3.36.3 export it from libggml-cpu only
-        try:
-            switch = ctypes.CDLL(str(lib_dir / "libggml-cpu.so")).ggml_cpu_assistgen_row_exact
-        except (OSError, AttributeError):
-            return None
-        switch.argtypes, switch.restype = [ctypes.c_bool], None
-    return switch
+    `make llamacpp`'s patch adds to ggml's CPU backend), or None on a build without it."""
+    return row_exact_switch(Path(lib._lib._name).resolve().parent)
 
 
 def cell_bytes(lib, model_ptr) -> int:
