@@ -78,20 +78,23 @@ PORTABLE := build/portable
 $(PORTABLE)/.built: $(LLAMA_SDIST)
 	rm -rf $(PORTABLE) && mkdir -p $(PORTABLE)
 	start=$$(date +%s) && CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON \
-		-DGGML_CPU_VARIANTS='$(PORTABLE_VARIANTS)'" $(PY) -m pip wheel --quiet --no-deps $(LLAMA_SDIST) -w $(PORTABLE) \
+		-DGGML_CPU_VARIANTS='$(PORTABLE_VARIANTS)'" $(PY) -m pip wheel --quiet --no-deps --no-cache-dir $(LLAMA_SDIST) \
+		-w $(PORTABLE) \
 		> $(PORTABLE)/wheel.log && echo "portable wheel: $$(( $$(date +%s) - start )) s"
 	cd $(PORTABLE) && $(PY) -m zipfile -e assistgen_llama_cpp-*.whl .
+	ls $(PORTABLE)/llama_cpp/lib/libggml-cpu-*.so  # one CPU library per level, or the build was not portable
 	touch $@
 llamacpp-portable: $(PORTABLE)/.built
 
 test-portable: llamacpp-portable llamacpp
-	for level in $$(ls $(PORTABLE)/llama_cpp/lib | sed -n 's/^libggml-cpu-\(.*\)\.so$$/\1/p'); do \
+	tested=0; for level in $$(ls $(PORTABLE)/llama_cpp/lib | sed -n 's/^libggml-cpu-\(.*\)\.so$$/\1/p'); do \
 		if LLAMA_CPP_LIB_PATH=$(CURDIR)/$(PORTABLE)/llama_cpp/lib ASSISTGEN_GGML_CPU=$$level $(BIN)/python -c \
 			"from assistgen.backends.llamacpp.kernels import load_backends; load_backends()" 2>/dev/null; then \
 			echo "== $$level"; LLAMA_CPP_LIB_PATH=$(CURDIR)/$(PORTABLE)/llama_cpp/lib ASSISTGEN_GGML_CPU=$$level \
 			$(BIN)/python -m pytest -q tests/backends/test_kernels.py tests/backends/test_llamacpp.py \
-			-k "kernel or probe or bitwise or every_drafter" || exit 1; \
-		else echo "== $$level: this CPU cannot run it (ggml refuses to load it)"; fi; done
+			-k "kernel or probe or bitwise or every_drafter" || exit 1; tested=$$((tested + 1)); \
+		else echo "== $$level: this CPU cannot run it (ggml refuses to load it)"; fi; done; \
+	test $$tested -gt 0 && echo "test-portable: $$tested levels tested on this CPU"
 
 llamacpp: $(LLAMA_STAMP)
 

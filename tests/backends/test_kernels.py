@@ -74,8 +74,8 @@ def test_a_library_this_cpu_cannot_run_is_a_clear_error_not_a_crash(tmp_path, mo
                                              r"--no-binary assistgen-llama-cpp.*GGML_CPU_ALL_VARIANTS"):
         guard.check_cpu(probe=ILLEGAL)
     assert not list(tmp_path.rglob("*.json"))  # a failed probe is not remembered
-    with pytest.raises(ModelLoadError, match="failed a test multiplication.*ValueError: no kernels"):
-        guard.check_cpu(probe="raise ValueError('no kernels')")
+    with pytest.warns(RuntimeWarning, match="kernel check could not run.*ValueError: no kernels.*used unchecked"):
+        assert guard.check_cpu(probe="raise ValueError('no kernels')") == {}  # a failure short of a crash: a warning
 
 
 def test_the_probe_passes_here_and_is_remembered(tmp_path, monkeypatch):
@@ -83,9 +83,21 @@ def test_the_probe_passes_here_and_is_remembered(tmp_path, monkeypatch):
     monkeypatch.setattr(guard, "_PASSED", {})
     record = guard.check_cpu()
     exact = [row for row in record["rows"] if row[2]]
-    assert exact and all(row[3] is None for row in exact)  # the switch's kernels, 1..5 rows, in the child
+    assert exact and all(row[3] is None for row in exact)  # the switch's kernels, 1..65 rows, in the child
+    assert guard.exact_rows(record) == guard.PROBE_ROWS == 1 + LONG_K
     assert {row[0].split("[")[0] for row in exact} >= {"q4_K", "q6_K", "q8_0", "q4_1", "q5_0"}
     assert guard.record_path(library_dir()).is_file()
     monkeypatch.setattr(guard, "_PASSED", {})  # a new process on the same machine and libraries: read, not run
     monkeypatch.setattr(guard, "run_probe", lambda *args: pytest.fail("the probe ran again"))
     assert guard.check_cpu() == record
+
+
+def test_a_kernel_the_probe_saw_inexact_makes_the_model_say_so():
+    from assistgen.backends.llamacpp.model import LlamaSettings, inexact_reason
+
+    probe = {"rows": [["q8_0[256]", "CPU", True, None], ["q6_K[256]", "CPU", True, 4], ["f32[256]", "CPU", False, 2]]}
+    rows = guard.exact_rows(probe)
+    assert rows == 3 and guard.not_row_exact(probe) == ["q6_K[256] in CPU from 4 rows"]  # (switch off: not counted)
+    reason = inexact_reason(lambda on: None, LlamaSettings(), rows, probe)
+    assert "q6_K[256] in CPU from 4 rows" in reason and "can differ from plain decoding" in reason
+    assert inexact_reason(lambda on: None, LlamaSettings(), guard.PROBE_ROWS, {"rows": []}) == ""

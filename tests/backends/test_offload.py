@@ -154,7 +154,7 @@ def check_capped(spec, options: dict, files: list, weights: int, env: dict | Non
 def test_the_gguf_header_reader_gives_each_tensor_its_bytes():
     from gguf import GGUFReader
 
-    from assistgen.backends.llamacpp.loading import tensor_sizes
+    from assistgen.backends.llamacpp.gguf import tensor_sizes
 
     path = gguf_file(NAME)
     ours = tensor_sizes(path)

@@ -122,6 +122,8 @@ def test_a_copy_that_keeps_being_accepted_is_verified_past_max_k_where_wide_pass
     cheap_rows = Adaptive(curve=[1.0 + 0.05 * k for k in range(17)]).prepare(None, [Cheap()])  # (rows past the curve:
     assert cheap_rows.next_k(Cheap()) == LONG_K  # its slope continued)
     assert MAX_K < copy_steps(cheap_rows) <= LONG_K
+    assert verified(cheap_rows, Draft([5] * 40, source="lookup"), "lookup", room=40) == 40  # the end: priced past
+    # the curve too (the wide rows' costs), and all of it when that finishes sooner
     assert copy_steps(Adaptive(curve=LINEAR).prepare(None, [Cheap()])) == 0
     torch_like = SimpleNamespace(capabilities=Capabilities(verify_rows=1 + MAX_K), costs=None)
     bounded = Adaptive(curve=[1.0 + 0.05 * k for k in range(17)]).prepare(torch_like, [Cheap()])

@@ -12,6 +12,8 @@ resident), naming the smallest budget that works and what it is made of. Weights
 
 from __future__ import annotations
 
+import ctypes
+
 import re
 
 from assistgen.backends.embedded import ModelLoadError
@@ -38,8 +40,14 @@ def parse_budget(value, name: str = "max_memory", zero: bool = False) -> int:
     return amount
 
 
-def resident() -> dict[str, int]:
-    """This process's resident bytes: {"anon": ..., "file": ...}."""
+def resident(trim: bool = False) -> dict[str, int]:
+    """This process's resident bytes: {"anon": ..., "file": ...}. `trim`: first hand the heap's free pages back to
+    the system (glibc's malloc_trim), so that memory allocated next shows as growth, whatever was freed before."""
+    if trim:
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
     out = {"anon": 0, "file": 0}
     try:
         with open("/proc/self/status") as f:

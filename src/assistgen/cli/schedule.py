@@ -19,7 +19,7 @@ def parse_schedule(text: str) -> Schedule:
     name, *args = text.split(":")
     try:
         if name == "adaptive":
-            settings = {"max_k": int(args[0])} if args and args[0] else {}
+            settings = {"max_k": int(args[0]), "long_k": int(args[0])} if args and args[0] else {}  # caps copies too
             if len(args) > 1:
                 settings["alternatives"] = int(args[1])
             return Adaptive(**settings)

@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 class Adaptive:
     """Choose k (0 included) before every step to maximise expected tokens per unit of time.
 
-    Drafters cheaper than `free_cost` target steps per token (prompt lookup, the n-gram cache) are
-    asked for `max_k` tokens and the loop verifies the best length of the draft for its source (`rates`);
+    Drafters cheaper than `free_cost` target steps per token (prompt lookup, the n-gram cache: copies) are
+    asked for `long_k` tokens and the loop verifies the best length of the draft for its source (`rates`), priced
+    past the cost curve's end by the wide passes' measured costs;
     their unverified tokens are still checked against the tokens the target emits next, in this step and the
     following ones (`AdaptiveRun.check_unverified`), so their estimate keeps learning, at every position, while
     speculation is off. Costlier drafters are asked for the best k directly and their draft is verified whole
@@ -140,9 +141,9 @@ class AdaptiveRun:
         self.measured: PassCosts | None = None  # None for plain decoding: nothing to choose
         self.online: OnlineCosts | None = None  # the passes' time as they run (when measuring)
         self.alternatives: AlternativesRun | None = None  # other drafts verified beside the sequence's own
-        # the most tokens of a copy a step verifies: the settings', within the rows the target's kernels keep exact
+        # the most draft tokens a step verifies: the settings', within the rows the target's kernels keep exact
         rows = target.capabilities.verify_rows if target is not None else 1 + settings.long_k
-        self.long_k = max(settings.max_k, min(settings.long_k, rows - 1))
+        self.max_k, self.long_k = min(settings.max_k, rows - 1), min(settings.long_k, rows - 1)
         if not drafters:
             return
         if settings.curve is not None:
@@ -208,10 +209,10 @@ class AdaptiveRun:
 
     def positions(self, drafter_name: str) -> int:
         """The draft positions a drafter's estimates follow: a copy's up to `long_k`, a model drafter's `max_k`."""
-        return (self.long_k if self.is_free(drafter_name) else self.settings.max_k) + 1
+        return (self.long_k if self.is_free(drafter_name) else self.max_k) + 1
 
     def k_max(self) -> int:
-        return min(self.settings.max_k, len(self.curve) - 1)
+        return min(self.max_k, len(self.curve) - 1)
 
     def next_k(self, drafter: Drafter) -> int:
         name = drafter.name

@@ -78,6 +78,11 @@ class PassCosts:
         (n0, c0), (n1, c1) = points[-2], points[-1]
         return c1 + (c1 - c0) * (rows - n1) / (n1 - n0)
 
+    def extended(self, k: int) -> tuple[float, ...]:
+        """v[0..k]: the curve, and past its end (a copy longer than MAX_K) one sequence's `rows` (the wide passes'
+        measured costs, linear between them)."""
+        return self.curve[: k + 1] + tuple(self.rows(n + 1) for n in range(len(self.curve), k + 1))
+
     def batch(self, sequences: int, rows: int, draft_rows: int = 0) -> float:
         """`sequences` sequences with `rows` rows in all (one per decoding sequence, prompt chunks) and `draft_rows`
         draft rows besides: the rows' cost, plus each further sequence's own attention and each draft row at their

@@ -26,5 +26,5 @@ def verified_lengths(runs: list[ScheduleRun], drafts: list[Draft], drafter_names
     else:
         sequences, base = len(drafts) + (1 if prefill_rows else 0), len(drafts) + prefill_rows
         chosen = lookahead(rates, drafted, lambda rows: costs.batch(sequences, base, rows - base), base,
-                           rooms=rooms, curve=costs.curve)
+                           rooms=rooms, curve=costs.extended(max(drafted)))
     return [max(0, min(n, room)) for n, room in zip(chosen, rooms, strict=True)]

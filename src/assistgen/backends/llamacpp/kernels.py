@@ -164,6 +164,7 @@ class _Weight:
         self.tensor = api["ggml_new_tensor_2d"](self.ctx, case.ggml_type, case.row_length, case.out_rows)
         self.buffer = api["ggml_backend_alloc_ctx_tensors_from_buft"](self.ctx, buft)
         if not self.buffer:
+            api["ggml_free"](self.ctx)
             raise RuntimeError(f"could not allocate {case.name} in {cpu.name(buft)}")
         api["ggml_backend_tensor_set"](self.tensor, data, 0, api["ggml_nbytes"](self.tensor))
 
@@ -203,6 +204,8 @@ def _multiply(cpu: _Cpu, weight: _Weight, case: Case, rows: np.ndarray) -> np.nd
         graph = api["ggml_new_graph"](ctx)
         api["ggml_build_forward_expand"](graph, product)
         buffer = api["ggml_backend_alloc_ctx_tensors_from_buft"](ctx, cpu.plain)
+        if not buffer:
+            raise RuntimeError(f"could not allocate {rows.shape[0]} rows of {case.name}")
         try:
             data = np.ascontiguousarray(rows, dtype=np.float32)
             api["ggml_backend_tensor_set"](x, data.ctypes.data, 0, data.nbytes)
@@ -262,7 +265,7 @@ def model_cases(path: Path, out_rows: int = 64) -> list[Case]:
     """The distinct (type, row length) of a GGUF file's matmul weights (2-D tensors other than the token
     embedding, whose rows are looked up; a tied output head is the embedding, so it is kept when no `output.weight`
     exists)."""
-    from assistgen.backends.llamacpp.loading import tensor_infos
+    from assistgen.backends.llamacpp.gguf import tensor_infos
 
     infos, _ = tensor_infos(path)
     tied = "output.weight" not in infos
@@ -294,7 +297,7 @@ def cpu_variants(lib_dir: Path) -> list[Path]:
     return sorted(lib_dir.glob("libggml-cpu-*.so"))
 
 
-_LOADED: list[str] = []
+_LOADED: dict[Path, str] = {}  # {libraries' folder: the CPU library loaded from it}
 
 
 def load_backends(lib_dir: Path | None = None) -> str | None:
@@ -308,8 +311,8 @@ def load_backends(lib_dir: Path | None = None) -> str | None:
     variants = cpu_variants(lib_dir)
     if not variants:
         return None
-    if _LOADED:
-        return _LOADED[0]
+    if lib_dir in _LOADED:
+        return _LOADED[lib_dir]
     ggml = ctypes.CDLL(str(lib_dir / "libggml.so"))
     forced = os.environ.get("ASSISTGEN_GGML_CPU")
     if forced:
@@ -320,12 +323,25 @@ def load_backends(lib_dir: Path | None = None) -> str | None:
         ggml.ggml_backend_load.argtypes, ggml.ggml_backend_load.restype = [ctypes.c_char_p], ctypes.c_void_p
         if not ggml.ggml_backend_load(str(path).encode()):
             raise RuntimeError(f"ggml could not load {path} on this CPU (ASSISTGEN_GGML_CPU={forced})")
-        _LOADED.append(forced)
+        _LOADED[lib_dir] = forced
     else:
         ggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
         ggml.ggml_backend_load_all_from_path(str(lib_dir).encode())
-        _LOADED.append("best")
-    return _LOADED[0]
+        _LOADED[lib_dir] = mapped_variant(lib_dir) or "best"
+    return _LOADED[lib_dir]
+
+
+def mapped_variant(lib_dir: Path) -> str | None:
+    """Which of a portable build's CPU libraries this process has loaded (from /proc/self/maps; None elsewhere)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = Path(line.split()[-1]) if "libggml-cpu-" in line else None
+                if path is not None and path.parent == lib_dir:
+                    return path.name.removeprefix("libggml-cpu-").removesuffix(".so")
+    except OSError:
+        pass
+    return None
 
 
 def cpu_proc(name: str, restype, *argtypes, lib_dir: Path | None = None):

@@ -20,12 +20,13 @@ from __future__ import annotations
 import collections
 import ctypes
 import importlib.util
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from assistgen.backends.budget import check_model_budget, resident
 from assistgen.backends.embedded import EMBEDDED, ModelLoadError, say
 from assistgen.backends.llamacpp.convert import converted_gguf
+from assistgen.backends.llamacpp.gguf import tensor_sizes
 from assistgen.backends.llamacpp.guard import check_cpu
 from assistgen.backends.llamacpp.kernels import kernel_families, load_backends
 from assistgen.backends.llamacpp.model import DEFAULT_CONTEXT, LlamaModel, LlamaSettings, cell_bytes, kernel_switch
@@ -68,7 +69,7 @@ def load(spec: str, settings: LlamaSettings | None = None) -> LlamaModel:
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
     errors = _capture_log(lib)
-    before = resident()
+    before = resident(trim=True)  # (growth measured from here: see check_budget)
     mparams = lib.llama_model_default_params()
     mparams.n_gpu_layers = 0
     mparams.use_extra_bufts = settings.repack
@@ -129,77 +130,6 @@ def largest_layer_bytes(path: Path) -> int:
         if name.startswith("blk."):
             sizes[name.split(".")[1]] += size
     return max(sizes.values(), default=0)
-
-
-# GGUF metadata value types (gguf's GGUFValueType) -> bytes of one value; 8 (string) and 9 (array) are read apart.
-_GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-
-def tensor_sizes(path: Path) -> dict[str, int]:
-    """{tensor name: bytes} from a GGUF file's header; a tensor's size is the distance to the next one's data."""
-    infos, end = tensor_infos(path)
-    starts = sorted(info.offset for info in infos.values())
-    by_start = dict(zip(starts, starts[1:] + [end], strict=True))
-    return {name: by_start[info.offset] - info.offset for name, info in infos.items()}
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor of a GGUF file: its shape (ggml's order: the row length first), ggml type id, and where its data
-    starts (bytes from the start of the file)."""
-
-    shape: tuple[int, ...]
-    ggml_type: int
-    offset: int
-
-
-def tensor_infos(path: Path) -> tuple[dict[str, TensorInfo], int]:
-    """({tensor name: TensorInfo}, the file's size) from a GGUF file's header, the metadata skipped over unparsed
-    (gguf's reader builds arrays of the whole vocabulary, hundreds of MB for a moment)."""
-    import struct
-
-    with open(path, "rb") as f:
-        def read(fmt: str):
-            return struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))
-
-        def skip_string() -> None:
-            f.seek(read("Q")[0], 1)
-
-        def skip_value(kind: int) -> None:
-            if kind == 8:
-                skip_string()
-            elif kind == 9:
-                inner, count = read("IQ")
-                if inner in _GGUF_SCALAR:
-                    f.seek(_GGUF_SCALAR[inner] * count, 1)
-                else:
-                    for _ in range(count):
-                        skip_value(inner)
-            else:
-                f.seek(_GGUF_SCALAR[kind], 1)
-
-        magic, version = f.read(4), read("I")[0]
-        if magic != b"GGUF" or version < 2:
-            raise ModelLoadError(f"{path} is not a GGUF file of version 2 or later.")
-        n_tensors, n_kv = read("QQ")
-        alignment = 32
-        for _ in range(n_kv):
-            key = f.read(read("Q")[0]).decode()
-            kind = read("I")[0]
-            if key == "general.alignment" and kind == 4:
-                alignment = read("I")[0]
-            else:
-                skip_value(kind)
-        raw = {}
-        for _ in range(n_tensors):
-            name = f.read(read("Q")[0]).decode()
-            dims = read("I")[0]
-            shape = read("Q" * dims)
-            kind, offset = read("IQ")
-            raw[name] = (shape, kind, offset)
-        data = -(-f.tell() // alignment) * alignment
-    infos = {name: TensorInfo(tuple(shape), kind, data + offset) for name, (shape, kind, offset) in raw.items()}
-    return infos, path.stat().st_size
 
 
 def library():

@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from assistgen.backends.base import LONG_K, Capabilities, Feed, synced
+from assistgen.backends.base import LONG_K, MAX_K, Capabilities, Feed, synced
+from assistgen.backends.llamacpp.guard import check_cpu, exact_rows, not_row_exact
 from assistgen.backends.llamacpp.kernels import row_exact_switch
 from assistgen.backends.machine import cpu_name
 
@@ -113,10 +114,12 @@ class LlamaModel:
         self._free_seqs = list(range(settings.sequences - 1, -1, -1))
         self._lock = _LOCK
         self._switch = kernel_switch(lib)
-        reason = inexact_reason(self._switch, settings)  # "" exactly when row_exact
+        probe = check_cpu(Path(lib._lib._name).resolve().parent)  # (remembered: run when the libraries were loaded)
+        rows = exact_rows(probe)  # the rows of one pass this CPU's kernels were seen to keep exact (None: unchecked)
+        reason = inexact_reason(self._switch, settings, rows, probe)  # "" exactly when row_exact
         self.capabilities = Capabilities(exact=not reason, inexact_reason=reason,
                                          offloaded=settings.max_memory is not None,
-                                         verify_rows=1 + LONG_K)  # the kernel check's rows (tests/backends)
+                                         verify_rows=min(rows or 1 + LONG_K, 1 + LONG_K))
         if reason:
             warn_inexact(reason)
         self._batch = _Batch(lib, self._n_batch)
@@ -390,8 +393,14 @@ def library_identity(path: Path) -> str:
     return f"{path.resolve()}|{','.join(parts)}"
 
 
-def inexact_reason(switch, settings: LlamaSettings) -> str:
-    """Why a model on this library and settings is not row-exact, with the fix ("" when it is)."""
+def inexact_reason(switch, settings: LlamaSettings, rows: int | None = None, probe: dict | None = None) -> str:
+    """Why a model on this library and settings is not row-exact, with the fix ("" when it is); `rows`: how many
+    rows of one pass the start-up kernel check saw kept exact on this CPU (`probe` its record; None: unchecked)."""
+    if switch is not None and rows is not None and rows < 1 + MAX_K:
+        culprits = ", ".join(not_row_exact(probe or {}))
+        return (f"on this CPU the start-up kernel check found kernels that give a row of a wide pass other bits than "
+                f"a one-row pass ({culprits}), so assisted greedy output can differ from plain decoding; please report "
+                "it with `assistgen info`'s output")
     if switch is None:
         return ("this llama.cpp library has no row-exact kernel switch (a stock llama-cpp-python build): passes run on "
                 "ggml's fast kernels, whose rounding depends on the rows beside a token, so assisted greedy output can "

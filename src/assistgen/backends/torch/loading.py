@@ -74,7 +74,7 @@ def load(
                              "and int8 is checked row-independent on the CPU only): load it with device='cpu', or "
                              f"on {device} drop quantize and load bfloat16 weights (dtype=torch.bfloat16).")
     budget = max_memory  # (parsed into bytes: `backends.settings`)
-    before = resident()
+    before = resident(trim=True)  # (growth measured from here: see check_budget)
     source = _source(spec)
     offloaded = budget is not None and place.type != "cpu"
     if offloaded:
