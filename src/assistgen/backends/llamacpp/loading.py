@@ -144,7 +144,10 @@ def library():
     check_cpu()  # the libraries tried in a child process first: a build this CPU cannot run is an error, not SIGILL
     import llama_cpp.llama_cpp as lib
 
-    load_backends()  # a portable build's CPU library for this CPU
+    try:
+        load_backends()  # a portable build's CPU library for this CPU
+    except RuntimeError as e:  # ASSISTGEN_GGML_CPU naming one this CPU cannot run, or none there
+        raise ModelLoadError(f"{e}. Unset ASSISTGEN_GGML_CPU to let ggml choose.") from e
     return lib
 
 
