@@ -13,7 +13,6 @@ resident), naming the smallest budget that works and what it is made of. Weights
 from __future__ import annotations
 
 import ctypes
-
 import re
 
 from assistgen.backends.embedded import ModelLoadError
