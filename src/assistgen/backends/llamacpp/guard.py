@@ -64,15 +64,12 @@ def cpu_identity() -> str:
     return f"{name}|{flags}"
 
 
-def libraries_identity(lib_dir: Path) -> str:
-    parts = [f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}" for p in sorted(lib_dir.glob("lib*.so*"))
-             if p.is_file() and not p.is_symlink()]
-    return f"{lib_dir}|{','.join(parts)}"
-
-
 def record_path(lib_dir: Path) -> Path:
+    from assistgen.backends.llamacpp.kernels import library_identity
+
     forced = os.environ.get("ASSISTGEN_GGML_CPU", "")  # a portable build's CPU library, when one is forced
-    key = hashlib.sha256(f"{libraries_identity(lib_dir)}|{forced}|{cpu_identity()}".encode()).hexdigest()[:20]
+    libraries = library_identity(lib_dir / "libllama.so")
+    key = hashlib.sha256(f"{libraries}|{forced}|{cpu_identity()}".encode()).hexdigest()[:20]
     return cache_root() / "cpu-probes" / f"llama-cpp-{key}.json"
 
 

@@ -99,17 +99,12 @@ class _Cpu:
         self.device = api["ggml_backend_dev_by_type"](_CPU_DEVICE)
         if not self.device:
             raise RuntimeError("ggml has no CPU device")
-        reg = api["ggml_backend_dev_backend_reg"](self.device)
-
-        def proc(name: str, restype, *argtypes):
-            address = api["ggml_backend_reg_get_proc_address"](reg, name.encode())
-            return ctypes.CFUNCTYPE(restype, *argtypes)(address) if address else None
-
         self.backend = api["ggml_backend_dev_init"](self.device, None)
-        set_threads = proc("ggml_backend_set_n_threads", None, ctypes.c_void_p, ctypes.c_int)
-        set_threads(self.backend, threads)
+        cpu_proc("ggml_backend_set_n_threads", None, ctypes.c_void_p, ctypes.c_int, lib_dir=lib_dir)(self.backend,
+                                                                                                     threads)
         self.switch = row_exact_switch(lib_dir)
-        extra = proc("ggml_backend_dev_get_extra_bufts", ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
+        extra = cpu_proc("ggml_backend_dev_get_extra_bufts", ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
+                         lib_dir=lib_dir)
         self.extra: list[int] = []
         if extra is not None:
             array = extra(self.device)
@@ -289,6 +284,16 @@ def library_dir() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("llama-cpp-python is not installed")
     return Path(next(iter(spec.submodule_search_locations))).resolve() / "lib"
+
+
+def library_identity(path: Path) -> str:
+    """The llama.cpp libraries loaded, by path, size and modification time: a rebuilt library is measured again."""
+    parts = []
+    for lib in sorted(path.resolve().parent.glob("lib*.so*")):
+        if lib.is_file() and not lib.is_symlink():
+            stat = lib.stat()
+            parts.append(f"{lib.name}:{stat.st_size}:{int(stat.st_mtime)}")
+    return f"{path.resolve()}|{','.join(parts)}"
 
 
 def cpu_variants(lib_dir: Path) -> list[Path]:

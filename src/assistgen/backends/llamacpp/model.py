@@ -40,7 +40,7 @@ import torch
 
 from assistgen.backends.base import LONG_K, MAX_K, Capabilities, Feed, synced
 from assistgen.backends.llamacpp.guard import check_cpu, exact_rows, not_row_exact
-from assistgen.backends.llamacpp.kernels import row_exact_switch
+from assistgen.backends.llamacpp.kernels import library_identity, row_exact_switch
 from assistgen.backends.machine import cpu_name
 
 
@@ -381,16 +381,6 @@ class _Batch:
 
 
 _LOCK = threading.Lock()  # llama.cpp contexts are not thread-safe, and the kernel switch is process-wide
-
-
-def library_identity(path: Path) -> str:
-    """The llama.cpp libraries loaded, by path, size and modification time: a rebuilt library is measured again."""
-    parts = []
-    for lib in sorted(path.resolve().parent.glob("lib*.so*")):
-        if lib.is_file() and not lib.is_symlink():
-            stat = lib.stat()
-            parts.append(f"{lib.name}:{stat.st_size}:{int(stat.st_mtime)}")
-    return f"{path.resolve()}|{','.join(parts)}"
 
 
 def inexact_reason(switch, settings: LlamaSettings, rows: int | None = None, probe: dict | None = None) -> str:
