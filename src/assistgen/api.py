@@ -306,7 +306,6 @@ def stream(
     except TypeError as e:
         allowed = ", ".join(GenerationConfig.__dataclass_fields__)
         raise ConfigError(f"Unknown generation setting: {e}. Allowed: {allowed}.") from e
-    config.validate()
     target = as_model(model)
     prompt_ids = encode_prompt(target, prompt, chat)
     drafter = make_drafter(target, assistant, lookup, early_exit, ngram_cache, suffix)

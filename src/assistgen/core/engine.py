@@ -59,7 +59,6 @@ def begin(target: LanguageModel, prompt_ids: list[int], drafter: Drafter, schedu
     """A generation ready for its first `step` (its prompt not yet fed, or only the part after what `cache`, a cache
     of the target holding a prefix of the prompt, already holds: `prefix.PrefixCache`); bad settings or prompts raise
     ConfigError."""
-    config.validate()
     context = context_limit(target, drafter)
     check_prompt(prompt_ids, target, context)
     if cache is not None and not (len(cache) < len(prompt_ids) and cache.tokens == prompt_ids[: len(cache)]

@@ -147,7 +147,6 @@ class BatchEngine:
                namespace: str | None = None) -> Request:
         """Queue a request; `namespace`: whose kept prefixes it reuses and whose it feeds (None: it neither reuses
         nor leaves any)."""
-        config.validate()
         if config.structure is not None:  # (a grammar that does not compile is the caller's error, raised here)
             compile_structure(self.target.tokenizer, self.target.vocab_size, config.structure)
         request = Request(prompt_ids, config, on_chunk, drafter, namespace)
