@@ -167,6 +167,24 @@ def test_engine_joins_cancels_and_refuses_past_its_queue(one_thread):
     assert not engine.thread.is_alive() and engine.num_running == 0
 
 
+def test_each_chunk_carries_its_stats_as_they_were_when_it_was_delivered(one_thread):
+    """The engine thread keeps updating a generation's `Stats`; what crosses to the consumer is a snapshot per chunk,
+    never the live object."""
+    model = tiny_llama()
+    engine = BatchEngine(model, PromptLookupDrafter, Constant(3)).start()
+    try:
+        chunks = list(engine.submit(encode(TEXTS[0]), GenerationConfig(max_new_tokens=20, eos_token_ids=())))
+    finally:
+        engine.shutdown(timeout=30)
+    assert len(chunks) > 2
+    emitted = 0
+    for chunk in chunks:
+        emitted += len(chunk.tokens)
+        assert chunk.stats.new_tokens == emitted  # as it stood then, not as the engine left it
+    assert len({id(chunk.stats) for chunk in chunks}) == len(chunks)
+    assert [chunk.stats.finish_reason for chunk in chunks] == [""] * (len(chunks) - 1) + ["length"]
+
+
 def test_pass_costs_follow_the_measured_curve_past_one_sequence(one_thread):
     from assistgen.policy.costs import WIDE_ROWS, pass_costs
 

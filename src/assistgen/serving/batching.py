@@ -5,8 +5,9 @@ its loop runs on: its own (`start`) or the caller's (`run_forever`).
 `submit(prompt_ids, config, on_chunk, drafter=None)` queues a request (raises `QueueFull` past `settings.max_queue`
 waiting requests, `ConfigError` for a bad prompt or config, a grammar that does not compile included) and returns
 its `Request` handle; the engine thread admits waiting requests between steps (at most `settings.max_batch` run at
-once) and delivers each request's `engine.Chunk`s, in order, to `on_chunk` (called on the engine thread; by
-default they go to a queue that iterating the `Request` reads). The last chunk of a request has its
+once) and delivers each request's `engine.Chunk`s, in order, to `on_chunk` (called on the engine thread, each
+chunk's `stats` a snapshot: the engine thread keeps updating its own; by default they go to a queue that iterating
+the `Request` reads). The last chunk of a request has its
 `finish_reason` set: length | eos | stop | context, or "cancelled" (`Request.cancel()`, e.g. a client
 that went away: its rows are freed before the next step), or "error" (`Request.error` says what).
 `shutdown()` stops admitting requests, lets the running ones finish (or cancels them) and waits for
@@ -28,7 +29,7 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from assistgen.backends.base import LanguageModel
 from assistgen.config import ConfigError, GenerationConfig
@@ -90,6 +91,9 @@ class Request:
         self.cancelled.set()
 
     def deliver(self, chunk: Chunk) -> None:
+        """Hand a chunk to the request's consumer, on another thread: its stats a snapshot, not the engine's own."""
+        if chunk.stats is not None:
+            chunk = replace(chunk, stats=chunk.stats.snapshot())
         if chunk.finish_reason is not None:
             self.done.set()
         self._on_chunk(chunk)
