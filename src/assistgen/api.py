@@ -24,7 +24,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from assistgen.backends.base import LanguageModel
+from assistgen.backends.base import Computes, LanguageModel
 from assistgen.backends.loader import LoadSettings, load
 from assistgen.config import Cancelled, ConfigError, GenerationConfig, Structure, check_cancelled
 from assistgen.core.engine import stream as run_loop
@@ -137,7 +137,7 @@ def as_model(model) -> LanguageModel:
     """A backend model as it is; a name (an alias, a file, a folder or a hub id) is resolved once per process: loaded
     and prepared with the default settings on first use, then the same model for every later call that names it
     (load it with `load_model` to choose its settings, or to free it). A bad name raises `ModelLoadError`."""
-    if hasattr(model, "new_cache"):
+    if isinstance(model, Computes):
         return model
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
@@ -244,17 +244,28 @@ def ngram_cache_of(ngram_cache) -> NGramCache | None:
     return namespaced(ngram_cache, "ngram_cache", NGramCache, cache_for, shared_cache, "the process-wide cache")
 
 
-def model_drafter(target: LanguageModel, assistant: LanguageModel | str | Drafter) -> Drafter:
-    if hasattr(assistant, "propose"):  # a drafter object, not a model
-        needed = ("observe", "finish", "report", "name", "context_length", "model", "acceptance_prior")
-        missing = [m for m in needed if not hasattr(assistant, m)]
-        if missing:
-            raise ConfigError(f"The drafter {type(assistant).__name__} lacks {', '.join(missing)}: a drafter "
-                              "implements propose, name, context_length, model (None without one) and "
-                              "acceptance_prior (None without one), and observe, finish and report, which "
-                              "subclassing assistgen.Drafter gives it (spec/drafts.py).")
+DRAFTER_PARTS = ("propose", "observe", "finish", "report", "name", "context_length", "model", "acceptance_prior")
+
+
+def as_assistant(assistant: LanguageModel | str | Drafter) -> LanguageModel | Drafter:
+    """A drafter object as it is, or a model (its name resolved: `as_model`); anything else is a ConfigError naming
+    what a drafter lacks of its interface."""
+    if isinstance(assistant, Drafter):
         return assistant
-    assistant = as_model(assistant)
+    if not isinstance(assistant, (Computes, str, os.PathLike)):  # neither a model nor its name: part of a drafter?
+        missing = [m for m in DRAFTER_PARTS if m not in dir(assistant)]
+        raise ConfigError(f"The drafter {type(assistant).__name__} lacks {', '.join(missing)}: a drafter "
+                          "implements propose, name, context_length, model (None without one) and "
+                          "acceptance_prior (None without one), and observe, finish and report, which "
+                          "subclassing assistgen.Drafter gives it (spec/drafts.py); a model is a loaded model "
+                          "(assistgen.load_model) or its name.")
+    return as_model(assistant)
+
+
+def model_drafter(target: LanguageModel, assistant: LanguageModel | str | Drafter) -> Drafter:
+    assistant = as_assistant(assistant)
+    if isinstance(assistant, Drafter):
+        return assistant
     if same_tokenizer(target, assistant):
         return AssistantDrafter(assistant, target)
     return UniversalDrafter(assistant, target)  # different tokenizers: translate through text
@@ -330,7 +341,7 @@ def as_schedule(schedule) -> Schedule:
         raise ConfigError(f"schedule={schedule!r} is the command line's form (--schedule); in Python give a schedule "
                           "object: assistgen.Adaptive(max_k=...), Constant(k=...), Heuristic() or confidence(k, "
                           "threshold) (assistgen.cli.schedule.parse_schedule turns the text into one).")
-    if not callable(getattr(schedule, "prepare", None)):
+    if not isinstance(schedule, Schedule):
         raise ConfigError(f"schedule must be a schedule object (assistgen.Adaptive, Constant, Heuristic or "
                           f"confidence(...)), got {type(schedule).__name__}.")
     return schedule
