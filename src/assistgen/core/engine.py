@@ -5,7 +5,8 @@ by one target forward pass over all their rows together: a joining generation's 
 (prefill), and for each decoding one its last token plus the draft it verifies (`feed_together` of the
 backend seam: each sequence attends only to its own positions). It returns one `Chunk` per generation
 (None for one still prefilling). `stream()` is a generator of `Chunk`s for one generation: the same
-`step` over a batch of one. Every way of generating in assistgen (plain decoding, every drafter, the
+`step` over a batch of one, its cache borrowed from and given back to a prefix cache (`prefix.take_for`,
+`give_back`). Every way of generating in assistgen (plain decoding, every drafter, the
 batch API, the CLI, the server's `serving.batching.BatchEngine`, the benchmarks) goes through `step`;
 plain decoding is the loop with a drafter that proposes nothing. The target's cache always holds the
 sequence minus its last token (and after a kept alternative, minus that draft's tokens too: `unfed`), so one
@@ -41,7 +42,7 @@ from assistgen.core.constraint import Constraint
 from assistgen.core.grammar import GrammarDrafter
 from assistgen.core.logprobs import token_logprobs
 from assistgen.core.plan import Planned, StepPlan
-from assistgen.core.prefix import PrefixCache
+from assistgen.core.prefix import PrefixCache, give_back, take_for
 from assistgen.core.state import Chunk, GenerationState
 from assistgen.core.text import TextStream
 from assistgen.core.verify import Verdict, Verification, verify_all
@@ -86,16 +87,20 @@ def stream(
 ) -> Iterator[Chunk]:
     """One generation, chunk by chunk: `step` over a batch of one (the whole prompt fed at once, or what follows the
     longest prefix `prefix` keeps for `namespace`; the generation's cache is given back to it at the end)."""
-    cache = prefix.take(prompt_ids, namespace) if prefix is not None and config.prompt_logprobs is None else None
-    state = begin(target, prompt_ids, drafter, schedule, config, cache)
+    cache = take_for(prefix, prompt_ids, namespace, config)
+    try:
+        state = begin(target, prompt_ids, drafter, schedule, config, cache)
+    except Exception:
+        if cache is not None:
+            cache.crop(0)
+        raise
     try:
         while state.finish is None:
             chunk = step([state])[0]
             if chunk is not None:
                 yield chunk
     finally:
-        if prefix is not None:
-            prefix.give(state.cache, namespace)
+        give_back(prefix, state.cache, namespace)
 
 
 def step(states: list[GenerationState], prefill_budget: int | None = None) -> list[Chunk | None]:

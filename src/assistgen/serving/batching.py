@@ -35,7 +35,7 @@ from assistgen.backends.base import LanguageModel
 from assistgen.config import ConfigError, GenerationConfig
 from assistgen.core.constraint import compile_structure
 from assistgen.core.engine import begin, step
-from assistgen.core.prefix import PrefixCache, check_capacity, default_capacity
+from assistgen.core.prefix import PrefixCache, check_capacity, default_capacity, give_back, take_for
 from assistgen.core.state import Chunk, GenerationState
 from assistgen.drafters.base import drafters_of
 from assistgen.policy.costs import Calibration, pending
@@ -252,8 +252,7 @@ class BatchEngine:
         cache = None
         try:
             drafter = request.drafter if request.drafter is not None else self.make_drafter()
-            if self.prefix is not None and request.namespace is not None and request.config.prompt_logprobs is None:
-                cache = self.prefix.take(request.prompt_ids, request.namespace)
+            cache = take_for(self._prefix(request), request.prompt_ids, request.namespace, request.config)
             return begin(self.target, request.prompt_ids, drafter, self.schedule, request.config, cache)
         except Exception as e:  # noqa: BLE001
             if cache is not None:
@@ -264,10 +263,11 @@ class BatchEngine:
 
     def _release(self, request: Request, sequence: GenerationState) -> None:
         """A finished request's cache: kept for its namespace's next requests, or its rows given back now."""
-        if self.prefix is not None and request.namespace is not None:
-            self.prefix.give(sequence.cache, request.namespace)
-        else:
-            free_rows(sequence)
+        give_back(self._prefix(request), sequence.cache, request.namespace)
+
+    def _prefix(self, request: Request) -> PrefixCache | None:
+        """The prefix cache a request reuses and feeds: the engine's, when the request names a namespace."""
+        return self.prefix if request.namespace is not None else None
 
     def _cancelled(self, request: Request, sequence: GenerationState) -> bool:
         """Whether the request was cancelled; its last chunk is then delivered and its rows are released."""
