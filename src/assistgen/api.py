@@ -19,6 +19,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from assistgen.core.tools import call_syntax
 from assistgen.drafters.assistant import AssistantDrafter, same_tokenizer
 from assistgen.drafters.base import CompositeDrafter, NoDrafter
 from assistgen.drafters.early_exit import EarlyExitDrafter
+from assistgen.drafters.factory import DrafterFactory
 from assistgen.drafters.lookup import PromptLookupDrafter
 from assistgen.drafters.ngram import NGramCache, NGramCacheDrafter, cache_for, shared_cache
 from assistgen.drafters.suffix import SuffixDrafter, SuffixHistory, history_for
@@ -215,6 +217,26 @@ def make_drafter(
     if not drafters:
         return NoDrafter()
     return drafters[0] if len(drafters) == 1 else CompositeDrafter(drafters)
+
+
+def drafter_factory(
+    target: LanguageModel,
+    assistant: LanguageModel | str | Drafter | None = None,
+    lookup: bool = False,
+    early_exit: bool | int = False,
+    ngram_cache: bool | str | NGramCache | None = False,
+    suffix: bool | str | SuffixHistory = False,
+) -> DrafterFactory:
+    """`make_drafter` with these options as a `DrafterFactory` (a server's: a fresh drafter per request, the options
+    a request's own changes given as keywords), declaring without making a drafter the models its drafters run
+    besides the target (an assistant's) and the shortest context among them (an assistant's; early exit's is the
+    target's own, the others have none)."""
+    assistant = None if assistant is None else as_assistant(assistant)  # (a name resolved here, once)
+    model = assistant.model if isinstance(assistant, Drafter) else assistant
+    models = () if early_exit or model is None else (model,)
+    context = None if early_exit or assistant is None else assistant.context_length
+    return DrafterFactory(partial(make_drafter, target, assistant, lookup, early_exit, ngram_cache=ngram_cache,
+                                  suffix=suffix), models, context)
 
 
 def namespaced(value, option: str, kind: type, of_namespace, when_true, true_means: str):
