@@ -3,7 +3,8 @@
 
 Contract: turns user-facing arguments (model names or objects, a prompt string or token ids, an
 assistant, sampling settings) into a target model (`backends.base.LanguageModel`), a drafter, a schedule
-and a `GenerationConfig`, checks them, and runs `engine.stream`. Bad input raises `ConfigError` or
+and a `GenerationConfig`, checks them, and runs `engine.stream` (`drafter_factory`: the same drafting options as a
+server's `DrafterFactory`). Bad input raises `ConfigError` or
 `ModelLoadError` (ValueErrors) whose message says what is wrong and how to fix it. Getting a model
 ready is two explicit steps: loading (`backends.loader.load`, on the chosen backend) and
 `prepare(model)` (the backend's optimization transforms, then the policy's cost measurements, kept in
