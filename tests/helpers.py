@@ -258,16 +258,15 @@ def start(model, engine_settings=None, name: str = "smollm2-135m", **server_sett
     import socket
     import threading
     import time
-    from functools import partial
 
     import httpx
     import uvicorn
 
-    from assistgen.api import default_schedule, make_drafter
+    from assistgen.api import default_schedule, drafter_factory
     from assistgen.serving.batching import BatchEngine
     from assistgen.serving.server import ServerSettings, create_app
 
-    engine = BatchEngine(model, partial(make_drafter, model, lookup=True), default_schedule(), engine_settings)
+    engine = BatchEngine(model, drafter_factory(model, lookup=True), default_schedule(), engine_settings)
     app = create_app(engine, ServerSettings(model_name=name, **server_settings))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))  # a free port, bound before uvicorn starts: no race for it

@@ -3,7 +3,8 @@
 
 Contract: turns user-facing arguments (model names or objects, a prompt string or token ids, an
 assistant, sampling settings) into a target model (`backends.base.LanguageModel`), a drafter, a schedule
-and a `GenerationConfig`, checks them, and runs `engine.stream`. Bad input raises `ConfigError` or
+and a `GenerationConfig`, checks them, and runs `engine.stream` (`drafter_factory`: the same drafting options as a
+server's `DrafterFactory`). Bad input raises `ConfigError` or
 `ModelLoadError` (ValueErrors) whose message says what is wrong and how to fix it. Getting a model
 ready is two explicit steps: loading (`backends.loader.load`, on the chosen backend) and
 `prepare(model)` (the backend's optimization transforms, then the policy's cost measurements, kept in
@@ -19,12 +20,13 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
 
-from assistgen.backends.base import LanguageModel
+from assistgen.backends.base import Computes, LanguageModel
 from assistgen.backends.loader import LoadSettings, load
 from assistgen.config import Cancelled, ConfigError, GenerationConfig, Structure, check_cancelled
 from assistgen.core.engine import stream as run_loop
@@ -35,6 +37,7 @@ from assistgen.core.tools import call_syntax
 from assistgen.drafters.assistant import AssistantDrafter, same_tokenizer
 from assistgen.drafters.base import CompositeDrafter, NoDrafter
 from assistgen.drafters.early_exit import EarlyExitDrafter
+from assistgen.drafters.factory import DrafterFactory
 from assistgen.drafters.lookup import PromptLookupDrafter
 from assistgen.drafters.ngram import NGramCache, NGramCacheDrafter, cache_for, shared_cache
 from assistgen.drafters.suffix import SuffixDrafter, SuffixHistory, history_for
@@ -137,7 +140,7 @@ def as_model(model) -> LanguageModel:
     """A backend model as it is; a name (an alias, a file, a folder or a hub id) is resolved once per process: loaded
     and prepared with the default settings on first use, then the same model for every later call that names it
     (load it with `load_model` to choose its settings, or to free it). A bad name raises `ModelLoadError`."""
-    if hasattr(model, "new_cache"):
+    if isinstance(model, Computes):
         return model
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
@@ -217,6 +220,26 @@ def make_drafter(
     return drafters[0] if len(drafters) == 1 else CompositeDrafter(drafters)
 
 
+def drafter_factory(
+    target: LanguageModel,
+    assistant: LanguageModel | str | Drafter | None = None,
+    lookup: bool = False,
+    early_exit: bool | int = False,
+    ngram_cache: bool | str | NGramCache | None = False,
+    suffix: bool | str | SuffixHistory = False,
+) -> DrafterFactory:
+    """`make_drafter` with these options as a `DrafterFactory` (a server's: a fresh drafter per request, the options
+    a request's own changes given as keywords), declaring without making a drafter the models its drafters run
+    besides the target (an assistant's) and the shortest context among them (an assistant's; early exit's is the
+    target's own, the others have none)."""
+    assistant = None if assistant is None else as_assistant(assistant)  # (a name resolved here, once)
+    model = assistant.model if isinstance(assistant, Drafter) else assistant
+    models = () if early_exit or model is None else (model,)
+    context = None if early_exit or assistant is None else assistant.context_length
+    return DrafterFactory(partial(make_drafter, target, assistant, lookup, early_exit, ngram_cache=ngram_cache,
+                                  suffix=suffix), models, context)
+
+
 def namespaced(value, option: str, kind: type, of_namespace, when_true, true_means: str):
     """What a namespaced option names: `when_true()` for True, `of_namespace(name)` for a non-empty string (requests
     share state only when they name the same namespace), or an object of `kind` itself."""
@@ -244,17 +267,28 @@ def ngram_cache_of(ngram_cache) -> NGramCache | None:
     return namespaced(ngram_cache, "ngram_cache", NGramCache, cache_for, shared_cache, "the process-wide cache")
 
 
-def model_drafter(target: LanguageModel, assistant: LanguageModel | str | Drafter) -> Drafter:
-    if hasattr(assistant, "propose"):  # a drafter object, not a model
-        needed = ("observe", "finish", "report", "name", "context_length", "model", "acceptance_prior")
-        missing = [m for m in needed if not hasattr(assistant, m)]
-        if missing:
-            raise ConfigError(f"The drafter {type(assistant).__name__} lacks {', '.join(missing)}: a drafter "
-                              "implements propose, name, context_length, model (None without one) and "
-                              "acceptance_prior (None without one), and observe, finish and report, which "
-                              "subclassing assistgen.Drafter gives it (spec/drafts.py).")
+DRAFTER_PARTS = ("propose", "observe", "finish", "report", "name", "context_length", "model", "acceptance_prior")
+
+
+def as_assistant(assistant: LanguageModel | str | Drafter) -> LanguageModel | Drafter:
+    """A drafter object as it is, or a model (its name resolved: `as_model`); anything else is a ConfigError naming
+    what a drafter lacks of its interface."""
+    if isinstance(assistant, Drafter):
         return assistant
-    assistant = as_model(assistant)
+    if not isinstance(assistant, (Computes, str, os.PathLike)):  # neither a model nor its name: part of a drafter?
+        missing = [m for m in DRAFTER_PARTS if m not in dir(assistant)]
+        raise ConfigError(f"The drafter {type(assistant).__name__} lacks {', '.join(missing)}: a drafter "
+                          "implements propose, name, context_length, model (None without one) and "
+                          "acceptance_prior (None without one), and observe, finish and report, which "
+                          "subclassing assistgen.Drafter gives it (spec/drafts.py); a model is a loaded model "
+                          "(assistgen.load_model) or its name.")
+    return as_model(assistant)
+
+
+def model_drafter(target: LanguageModel, assistant: LanguageModel | str | Drafter) -> Drafter:
+    assistant = as_assistant(assistant)
+    if isinstance(assistant, Drafter):
+        return assistant
     if same_tokenizer(target, assistant):
         return AssistantDrafter(assistant, target)
     return UniversalDrafter(assistant, target)  # different tokenizers: translate through text
@@ -306,7 +340,6 @@ def stream(
     except TypeError as e:
         allowed = ", ".join(GenerationConfig.__dataclass_fields__)
         raise ConfigError(f"Unknown generation setting: {e}. Allowed: {allowed}.") from e
-    config.validate()
     target = as_model(model)
     prompt_ids = encode_prompt(target, prompt, chat)
     drafter = make_drafter(target, assistant, lookup, early_exit, ngram_cache, suffix)
@@ -331,7 +364,7 @@ def as_schedule(schedule) -> Schedule:
         raise ConfigError(f"schedule={schedule!r} is the command line's form (--schedule); in Python give a schedule "
                           "object: assistgen.Adaptive(max_k=...), Constant(k=...), Heuristic() or confidence(k, "
                           "threshold) (assistgen.cli.schedule.parse_schedule turns the text into one).")
-    if not callable(getattr(schedule, "prepare", None)):
+    if not isinstance(schedule, Schedule):
         raise ConfigError(f"schedule must be a schedule object (assistgen.Adaptive, Constant, Heuristic or "
                           f"confidence(...)), got {type(schedule).__name__}.")
     return schedule

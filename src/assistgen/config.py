@@ -1,8 +1,9 @@
 """Settings for one generation, as a frozen dataclass: the one home of every default.
 
-Contract: `GenerationConfig` holds what the user asked for and checks it (`validate`), raising
-`ConfigError` with a message that names the bad value and the fix. The CLI and the API build it;
-neither re-declares a default.
+Contract: `GenerationConfig` holds what the user asked for and checks it when it is built (`__post_init__`, which
+runs `validate`: a config that exists is a valid one, so nothing downstream checks it again), raising `ConfigError`
+with a message that names the bad value and the fix. The CLI, the API and the server build it; none re-declares a
+default.
 """
 
 from __future__ import annotations
@@ -69,7 +70,11 @@ class GenerationConfig:
         """The new tokens one-off costs are priced against: `expected_new_tokens`, at most `max_new_tokens`."""
         return min(self.max_new_tokens, self.expected_new_tokens or self.max_new_tokens)
 
+    def __post_init__(self):
+        self.validate()
+
     def validate(self) -> GenerationConfig:
+        """Raise ConfigError naming the first bad setting; returns the config (run once, when it is built)."""
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
             raise ConfigError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}.")
         if self.max_new_tokens < 1:

@@ -1,12 +1,13 @@
 """Statistics of one generation, filled in by the generation loop.
 
 Contract: plain counters and timers; every derived figure (acceptance rate, mean accepted length,
-tokens per second) is a property computed from them, so nothing can drift out of step.
+tokens per second) is a property computed from them, so nothing can drift out of step. The loop keeps updating a
+generation's `Stats` step by step; `snapshot()` is a copy it no longer touches (what another thread is handed).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -46,6 +47,11 @@ class Stats:
                 for i, v in enumerate(theirs):
                     mine[i] += v
         return out
+
+    def snapshot(self) -> Stats:
+        """A copy that later steps do not change (its lists and notes copied too)."""
+        return replace(self, accept_histogram=list(self.accept_histogram),
+                       position_checks=list(self.position_checks), notes=dict(self.notes))
 
     def record_step(self, drafted: int, accepted: int) -> None:
         self.steps += 1

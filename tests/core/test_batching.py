@@ -167,6 +167,50 @@ def test_engine_joins_cancels_and_refuses_past_its_queue(one_thread):
     assert not engine.thread.is_alive() and engine.num_running == 0
 
 
+def test_each_chunk_carries_its_stats_as_they_were_when_it_was_delivered(one_thread):
+    """The engine thread keeps updating a generation's `Stats`; what crosses to the consumer is a snapshot per chunk,
+    never the live object."""
+    model = tiny_llama()
+    engine = BatchEngine(model, PromptLookupDrafter, Constant(3)).start()
+    try:
+        chunks = list(engine.submit(encode(TEXTS[0]), GenerationConfig(max_new_tokens=20, eos_token_ids=())))
+    finally:
+        engine.shutdown(timeout=30)
+    assert len(chunks) > 2
+    emitted = 0
+    for chunk in chunks:
+        emitted += len(chunk.tokens)
+        assert chunk.stats.new_tokens == emitted  # as it stood then, not as the engine left it
+    assert len({id(chunk.stats) for chunk in chunks}) == len(chunks)
+    assert [chunk.stats.finish_reason for chunk in chunks] == [""] * (len(chunks) - 1) + ["length"]
+
+
+def test_submit_admits_on_the_callers_thread(one_thread):
+    """A prompt the engine cannot run is refused by `submit` itself (nothing queued); the engine's context is its
+    target's and its drafters' declared one."""
+    from assistgen.api import drafter_factory
+    from assistgen.core.admission import PromptError
+
+    model = tiny_llama()
+    engine = BatchEngine(model, drafter_factory(model, lookup=True), Adaptive())
+    assert engine.context == model.context_length == 512
+    config = GenerationConfig(max_new_tokens=4, eos_token_ids=())
+    for prompt, problem in (([], "empty"), ([2] * 512, "context length is 512"), ([10**6], "vocabulary")):
+        with pytest.raises(PromptError, match=problem):
+            engine.submit(prompt, config)
+    assert engine.num_waiting == 0
+    admitted = engine.admit(encode(TEXTS[4]), config)
+    assert admitted.room == 512 - len(encode(TEXTS[4])) and admitted.grammar is None
+    request = engine.submit(admitted)
+    engine.start()
+    try:
+        assert [t for c in request for t in c.tokens] == [t for c in stream(model, encode(TEXTS[4]),
+                                                                            PromptLookupDrafter(), Adaptive(),
+                                                                            config) for t in c.tokens]
+    finally:
+        engine.shutdown(timeout=30)
+
+
 def test_pass_costs_follow_the_measured_curve_past_one_sequence(one_thread):
     from assistgen.policy.costs import WIDE_ROWS, pass_costs
 

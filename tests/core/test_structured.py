@@ -39,6 +39,17 @@ def drafting(model, name: str) -> dict:
     return {"lookup": True}
 
 
+def test_a_generation_compiles_its_grammar_once(model, monkeypatch):
+    """A request's admission compiles its grammar, with its EOS tokens; the generation starts from that."""
+    from assistgen.core import constraint
+
+    compiled = []
+    original = constraint.compile_structure
+    monkeypatch.setattr(constraint, "compile_structure", lambda *a, **k: compiled.append(a[3]) or original(*a, **k))
+    out = generate(model, PROMPT, lookup=True, json_schema=PERSON, max_new_tokens=4)
+    assert len(out.token_ids) == 4 and compiled == [tuple(sorted(model.eos_token_ids))]
+
+
 def masked_margin(model, prompt: list[int], tokens: list[int], position: int, structure: Structure) -> float:
     """The gap between the two most likely allowed tokens at `position` of a constrained output (teacher forced)."""
     constraint = Constraint.begin(model, structure, set(model.eos_token_ids))

@@ -371,6 +371,21 @@ def test_structured_outputs_give_valid_json_with_speculation_on(live, smollm2):
         assert "does not compile" in http.post(f"{live.url}/v1/completions", json=body).json()["error"]["message"]
 
 
+def test_a_structured_request_compiles_its_grammar_once(live, monkeypatch):
+    """Admission compiles a request's grammar (for the target's tokenizer and its EOS tokens) on the handler's thread;
+    the engine thread starts the generation from it without compiling again."""
+    from assistgen.core import constraint
+
+    compiled = []
+    original = constraint.compile_structure
+    monkeypatch.setattr(constraint, "compile_structure", lambda *a, **k: compiled.append(a[2]) or original(*a, **k))
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    reply = live.client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": EXTRACT}],
+                                                max_tokens=8, response_format=fmt)
+    assert reply.usage.completion_tokens > 0
+    assert [s.kind for s in compiled] == ["json_schema"]
+
+
 def test_the_readme_lists_every_request_field():
     """The README's request-field table names each field the two endpoints declare, and says what happens."""
     import re

@@ -31,7 +31,8 @@ Capabilities a backend may lack are declared in `capabilities`, never discovered
 `first_layers` (it can run its first N decoder layers as a model of its own, sharing the weights:
 `truncated(n)`, `exit_agreement(ids, positions)` and `layer_costs()`, which early exit needs) and `exact`
 (a row's logits are those it gets alone, so assisted greedy output is plain decoding's; `inexact_reason` says
-why not) and `offloaded` (its weights are read from their file beyond a memory budget in every pass). Layers
+why not) and `offloaded` (its weights are read from their file beyond a memory budget in every pass). `Computes` is
+the part every model has, checked at runtime (`isinstance`) where a model must be told from its name. Layers
 above this module see a model only through this interface; the PyTorch code lives below it
 (`backends/torch/`).
 """
@@ -39,7 +40,7 @@ above this module see a model only through this interface; the PyTorch code live
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -127,6 +128,16 @@ class LanguageModel(Protocol):
     def exit_agreement(self, ids: list[int], positions: int | None) -> list[float]: ...
 
     def layer_costs(self) -> list[float]: ...
+
+
+@runtime_checkable
+class Computes(Protocol):
+    """The verbs every backend model has, whatever its capabilities: `isinstance(x, Computes)` tells a loaded model
+    from anything else (its name, say)."""
+
+    def new_cache(self) -> Cache: ...
+
+    def feed_together(self, feeds: list[Feed]) -> list[torch.Tensor]: ...
 
 
 def synced(cache: Cache, ids: list[int], keep_last: int = 1) -> list[int]:

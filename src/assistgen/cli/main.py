@@ -235,9 +235,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Load the model(s), build the batched engine and serve it until SIGINT/SIGTERM (0 after a clean stop)."""
-    from functools import partial
-
-    from assistgen.api import as_schedule, default_schedule, make_drafter
+    from assistgen.api import as_schedule, default_schedule, drafter_factory
     from assistgen.serving.batching import BatchEngine, EngineSettings
     from assistgen.serving.server import ServerSettings, serve
 
@@ -254,8 +252,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     target, assistant = load_target_and_assistant(args, serving_loading(args), calibration="later")
     if template is not None:
         use_chat_template(target, template)
-    drafters = partial(make_drafter, target, assistant, args.lookup, args.early_exit or False, suffix=args.suffix)
-    drafters()  # bad drafter options fail here, before the server starts
+    drafters = drafter_factory(target, assistant, args.lookup, args.early_exit or False, suffix=args.suffix)
+    drafters()  # bad drafter options fail here, before the server starts (and early exit's calibration runs)
     schedule = as_schedule(args.schedule) if args.schedule is not None else default_schedule()
     engine = BatchEngine(target, drafters, schedule, EngineSettings(**engine_options(args)))
     return serve(engine, settings, args.host, args.port, drafters, serve_speech.speech_service(args))

@@ -3,8 +3,11 @@
 Contract: `grammar_of(structure)` is the llguidance grammar of a `config.Structure` (JSON laid out with ", " and
 ": " and no other whitespace; a GBNF or Lark grammar; a regular expression) and `compile_structure(tokenizer,
 vocab_size, structure)` checks it against the target's tokenizer (a spec that does not compile raises ConfigError
-naming the problem). `Constraint.begin(target, structure, eos)` holds one generation's grammar state, which always
-stands after the tokens emitted so far. Each step the loop calls:
+naming the problem). `compiled(target, structure, eos)` is that check for the target and the generation's EOS tokens,
+kept as a `Grammar` (the grammar's text and llguidance's view of the tokenizer): a request's admission
+(`core.admission`) makes it once. `Constraint.of(grammar, eos)` (or `Constraint.begin(target, structure, eos)`, which
+compiles first) holds one generation's grammar state, which always stands after the tokens emitted so far. Each
+step the loop calls:
     check(draft) -> (m, forbidden)   how many leading draft tokens the grammar allows, and the token after
                              them that it forbids (None when there is none, or when token m ended the
                              structure with an EOS); it fills the masks of the m + 1 positions that
@@ -25,6 +28,7 @@ tokens only where the structure is complete; an emitted EOS ends it (never fed t
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import torch
 
@@ -140,6 +144,22 @@ def compile_structure(tokenizer, vocab_size: int, structure: Structure, eos: tup
     return grammar
 
 
+@dataclass(frozen=True)
+class Grammar:
+    """A structure compiled for a target's tokenizer and a generation's EOS tokens: what a `Constraint` starts from."""
+
+    text: str  # llguidance's grammar
+    lltokenizer: object  # llguidance's view of the tokenizer, with the EOS tokens
+    vocab_size: int
+
+
+def compiled(target, structure: Structure, eos: set[int] | frozenset[int]) -> Grammar:
+    """`structure` compiled for `target` with these EOS tokens (ConfigError naming what does not compile)."""
+    key = tuple(sorted(eos))
+    text = compile_structure(target.tokenizer, target.vocab_size, structure, key)
+    return Grammar(text, grammar_tokenizer(target.tokenizer, target.vocab_size, key), target.vocab_size)
+
+
 def error_line(error: str) -> str:
     """The first line of an llguidance error (the rest repeats the grammar)."""
     return error.strip().splitlines()[0].rstrip(".:") if error.strip() else "unknown error"
@@ -163,10 +183,13 @@ class Constraint:
         self.ended = False  # an EOS was emitted: nothing after it is
 
     @classmethod
+    def of(cls, grammar: Grammar, eos: set[int] | frozenset[int]) -> Constraint:
+        """A generation's state in a grammar compiled for its EOS tokens (`compiled`)."""
+        return cls(grammar.text, grammar.lltokenizer, grammar.vocab_size, set(eos))
+
+    @classmethod
     def begin(cls, target, structure: Structure, eos: set[int]) -> Constraint:
-        key = tuple(sorted(eos))
-        grammar = compile_structure(target.tokenizer, target.vocab_size, structure, key)
-        return cls(grammar, grammar_tokenizer(target.tokenizer, target.vocab_size, key), target.vocab_size, eos)
+        return cls.of(compiled(target, structure, eos), eos)
 
     def fill(self, row: int) -> None:
         view = self.masks[row]

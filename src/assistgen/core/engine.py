@@ -1,11 +1,13 @@
 """The one generation loop: prefill -> draft -> verify -> accept -> roll back -> emit, over a batch.
 
 Contract: `step(states)` advances every running `GenerationState` (one generation each, made by `begin`)
-by one target forward pass over all their rows together: a joining generation's next prompt chunk
+by one target forward pass over all their rows together (`begin` starts a generation from its request's admission,
+`admission.py`: the context, the prompt's check and the grammar, found once): a joining generation's next prompt chunk
 (prefill), and for each decoding one its last token plus the draft it verifies (`feed_together` of the
 backend seam: each sequence attends only to its own positions). It returns one `Chunk` per generation
 (None for one still prefilling). `stream()` is a generator of `Chunk`s for one generation: the same
-`step` over a batch of one. Every way of generating in assistgen (plain decoding, every drafter, the
+`step` over a batch of one, its cache borrowed from and given back to a prefix cache (`prefix.take_for`,
+`give_back`). Every way of generating in assistgen (plain decoding, every drafter, the
 batch API, the CLI, the server's `serving.batching.BatchEngine`, the benchmarks) goes through `step`;
 plain decoding is the loop with a drafter that proposes nothing. The target's cache always holds the
 sequence minus its last token (and after a kept alternative, minus that draft's tokens too: `unfed`), so one
@@ -35,13 +37,14 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from assistgen.backends.base import Cache, LanguageModel
-from assistgen.config import ConfigError, GenerationConfig
+from assistgen.config import GenerationConfig
+from assistgen.core.admission import Admission, admit
 from assistgen.core.alternatives import add_alternatives, keep_furthest
 from assistgen.core.constraint import Constraint
 from assistgen.core.grammar import GrammarDrafter
 from assistgen.core.logprobs import token_logprobs
 from assistgen.core.plan import Planned, StepPlan
-from assistgen.core.prefix import PrefixCache
+from assistgen.core.prefix import PrefixCache, give_back, take_for
 from assistgen.core.state import Chunk, GenerationState
 from assistgen.core.text import TextStream
 from assistgen.core.verify import Verdict, Verification, verify_all
@@ -55,20 +58,22 @@ from assistgen.stats import Stats
 
 
 def begin(target: LanguageModel, prompt_ids: list[int], drafter: Drafter, schedule: Schedule,
-          config: GenerationConfig, cache: Cache | None = None) -> GenerationState:
+          config: GenerationConfig, cache: Cache | None = None, admitted: Admission | None = None) -> GenerationState:
     """A generation ready for its first `step` (its prompt not yet fed, or only the part after what `cache`, a cache
-    of the target holding a prefix of the prompt, already holds: `prefix.PrefixCache`); bad settings or prompts raise
-    ConfigError."""
-    config.validate()
-    context = context_limit(target, drafter)
-    check_prompt(prompt_ids, target, context)
+    of the target holding a prefix of the prompt, already holds: `prefix.PrefixCache`). `admitted`: the request's
+    admission, made for these ids and config (`admission.admit`, e.g. on the thread that queued it); None: admitted
+    here, a bad prompt or structure raising ConfigError."""
+    if admitted is None:
+        admitted = admit(target, prompt_ids, config, drafter.context_length)
+    elif drafter.context_length and drafter.context_length < admitted.context:
+        raise ValueError(f"begin: the request was admitted for a context of {admitted.context} tokens, but its "
+                         f"drafter takes {drafter.context_length}: admit it with the drafter's context")
     if cache is not None and not (len(cache) < len(prompt_ids) and cache.tokens == prompt_ids[: len(cache)]
                                   and config.prompt_logprobs is None):
         raise ValueError("begin: the cache given must hold a proper prefix of the prompt (and no prompt logprobs "
                          "may be asked for: they need every prompt row)")
-    eos = set(config.eos_token_ids if config.eos_token_ids is not None else target.eos_token_ids)
     drafters = drafters_of(drafter)
-    constraint = None if config.structure is None else Constraint.begin(target, config.structure, eos)
+    constraint = None if admitted.grammar is None else Constraint.of(admitted.grammar, admitted.eos)
     if constraint is not None and drafters:  # speculating: what the grammar forces is drafted first
         drafters = [GrammarDrafter(constraint)] + drafters
     started = target.clock()
@@ -77,7 +82,7 @@ def begin(target: LanguageModel, prompt_ids: list[int], drafter: Drafter, schedu
                            TextStream(target.tokenizer, config.stop),
                            Stats(mode=drafter.name, prompt_tokens=len(prompt_ids),
                                  cached_tokens=len(cache) if cache is not None else 0,
-                                 exact=target.capabilities.exact), eos, context,
+                                 exact=target.capabilities.exact), admitted.eos, admitted.context,
                            cache if cache is not None else target.new_cache(), started, constraint=constraint)
 
 
@@ -87,16 +92,21 @@ def stream(
 ) -> Iterator[Chunk]:
     """One generation, chunk by chunk: `step` over a batch of one (the whole prompt fed at once, or what follows the
     longest prefix `prefix` keeps for `namespace`; the generation's cache is given back to it at the end)."""
-    cache = prefix.take(prompt_ids, namespace) if prefix is not None and config.prompt_logprobs is None else None
-    state = begin(target, prompt_ids, drafter, schedule, config, cache)
+    admitted = admit(target, prompt_ids, config, drafter.context_length)
+    cache = take_for(prefix, prompt_ids, namespace, config)
+    try:
+        state = begin(target, prompt_ids, drafter, schedule, config, cache, admitted)
+    except Exception:
+        if cache is not None:
+            cache.crop(0)
+        raise
     try:
         while state.finish is None:
             chunk = step([state])[0]
             if chunk is not None:
                 yield chunk
     finally:
-        if prefix is not None:
-            prefix.give(state.cache, namespace)
+        give_back(prefix, state.cache, namespace)
 
 
 def step(states: list[GenerationState], prefill_budget: int | None = None) -> list[Chunk | None]:
@@ -299,22 +309,3 @@ def apply_stops(
     if text.stopped:
         new, finish = new[:keep], "stop"
     return new, finish
-
-
-def context_limit(target: LanguageModel, drafter: Drafter) -> int:
-    limits = [c for c in (target.context_length, drafter.context_length) if c]
-    return min(limits) if limits else 1 << 62
-
-
-def check_prompt(prompt_ids: list[int], target: LanguageModel, context: int) -> None:
-    if len(prompt_ids) == 0:
-        raise ConfigError("The prompt is empty: give at least one token of text.")
-    if len(prompt_ids) >= context:
-        raise ConfigError(
-            f"The prompt has {len(prompt_ids)} tokens but the context length is {context}: "
-            "shorten the prompt so that at least one new token fits."
-        )
-    vocab = target.vocab_size
-    bad = [t for t in prompt_ids if not 0 <= t < vocab]
-    if bad:
-        raise ConfigError(f"Prompt token ids {bad[:5]} are outside the model's vocabulary (0..{vocab - 1}).")

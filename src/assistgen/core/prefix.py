@@ -10,9 +10,12 @@ operator shares one namespace). `capacity` bounds the bytes the kept caches hold
 the loop feeds at least the last one) and removes its entry, or forks it when the request shares only part of it
 (so that the entry still serves the others that share it); None when nothing kept shares a token with `ids` or
 the entry's namespace differs. `give(cache, namespace)` keeps a finished generation's cache (its `tokens` are
-what its keys and values were computed from, whatever was emitted). A cache's keys and values depend only on its
-tokens (on llama.cpp's row-exact build: prompts computed on the row-exact kernels, `LlamaSettings.exact_prompts`),
-so a generation continued from a kept prefix computes what it computes from an empty cache. Counters follow
+what its keys and values were computed from, whatever was emitted). `take_for` and `give_back` are the one place a
+generation borrows and returns a cache (the engine's `stream` and the serving engine both use them): nothing is
+borrowed when prompt logprobs are asked for (they need every prompt row), and without a prefix cache the rows are
+given back at once. A cache's keys and values depend only on its tokens (on llama.cpp's row-exact build: prompts
+computed on the row-exact kernels, `LlamaSettings.exact_prompts`), so a generation continued from a kept prefix
+computes what it computes from an empty cache. Counters follow
 vLLM's prefix-cache metrics: `queries` (prompt tokens looked up), `hits` (tokens found), `evictions`. Not
 thread-safe: the serving engine's thread or a single caller owns it.
 """
@@ -23,7 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from assistgen.backends.base import Cache, LanguageModel, shared_prefix
-from assistgen.config import DEFAULT_PREFIX_CACHE, ConfigError
+from assistgen.config import DEFAULT_PREFIX_CACHE, ConfigError, GenerationConfig
 
 
 @dataclass
@@ -103,6 +106,25 @@ class PrefixCache:
         entry = self.entries.pop(key)
         self.kept_bytes -= entry.nbytes
         return entry.cache
+
+
+def take_for(prefix: PrefixCache | None, ids: list[int], namespace: str | None,
+             config: GenerationConfig) -> Cache | None:
+    """The cache a generation of `ids` starts from: the longest prefix `prefix` keeps for `namespace` (None: no prefix
+    cache, nothing kept, or prompt logprobs asked for: they need every prompt row fed)."""
+    if prefix is None or config.prompt_logprobs is not None:
+        return None
+    return prefix.take(ids, namespace)
+
+
+def give_back(prefix: PrefixCache | None, cache: Cache, namespace: str | None) -> None:
+    """A finished generation's cache: kept in `prefix` for its namespace's next generations, or (no prefix cache) its
+    rows given back now, not when it is garbage collected (on llama.cpp its cells and sequence id go back to the
+    pool)."""
+    if prefix is None:
+        cache.crop(0)
+    else:
+        prefix.give(cache, namespace)
 
 
 def default_capacity(model: LanguageModel) -> int:

@@ -25,7 +25,8 @@ class Chunk:
     tokens: list[int]  # token ids emitted by this step
     text: str  # text that became safe to show with this step
     finish_reason: str | None = None  # set on the last chunk: length | eos | stop | context (| cancelled | error)
-    stats: Stats | None = None  # the generation's statistics, live; final on the last chunk
+    stats: Stats | None = None  # the generation's statistics as the loop keeps them (live: a consumer on another
+    # thread gets a `Stats.snapshot`, the serving engine's `Request.deliver`); final on the last chunk
     logprobs: list[TokenLogprob] | None = None  # one per token, when the config asks for them
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (the first has none): first chunk only
 

@@ -1,12 +1,18 @@
 """The serving engine: one thread steps every running request together through the generation loop.
 
 Contract: `BatchEngine(target, make_drafter, schedule, settings)` owns a target model and the thread
-its loop runs on: its own (`start`) or the caller's (`run_forever`).
-`submit(prompt_ids, config, on_chunk, drafter=None)` queues a request (raises `QueueFull` past `settings.max_queue`
-waiting requests, `ConfigError` for a bad prompt or config, a grammar that does not compile included) and returns
-its `Request` handle; the engine thread admits waiting requests between steps (at most `settings.max_batch` run at
-once) and delivers each request's `engine.Chunk`s, in order, to `on_chunk` (called on the engine thread; by
-default they go to a queue that iterating the `Request` reads). The last chunk of a request has its
+its loop runs on: its own (`start`) or the caller's (`run_forever`). `make_drafter` is a `drafters.factory.
+DrafterFactory` (a plain callable is taken too: `DrafterFactory.of`), whose declared context bounds every request
+(`context`) and whose declared models are the ones the engine measures while idle.
+`admit(prompt_ids, config, drafter=None)` is a request's admission (`core.admission`: the context, the prompt's
+check, the grammar compiled), run on the caller's thread: a bad prompt or a grammar that does not compile raises
+`ConfigError` there (`admission.PromptError` for the prompt). `submit(prompt_ids, config, on_chunk, drafter=None)`
+admits a request so (or takes an `Admission` made by `admit`) and queues it (raises `QueueFull` past
+`settings.max_queue` waiting requests) and returns its `Request` handle; the engine thread starts waiting requests
+between steps from their admissions (at most `settings.max_batch` run at once; nothing is checked or compiled
+again) and delivers each request's `engine.Chunk`s, in order, to `on_chunk` (called on the engine thread, each
+chunk's `stats` a snapshot: the engine thread keeps updating its own; by default they go to a queue that iterating
+the `Request` reads). The last chunk of a request has its
 `finish_reason` set: length | eos | stop | context, or "cancelled" (`Request.cancel()`, e.g. a client
 that went away: its rows are freed before the next step), or "error" (`Request.error` says what).
 `shutdown()` stops admitting requests, lets the running ones finish (or cancels them) and waits for
@@ -28,15 +34,15 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from assistgen.backends.base import LanguageModel
 from assistgen.config import ConfigError, GenerationConfig
-from assistgen.core.constraint import compile_structure
+from assistgen.core.admission import Admission, admit, context_limit
 from assistgen.core.engine import begin, step
-from assistgen.core.prefix import PrefixCache, check_capacity, default_capacity
+from assistgen.core.prefix import PrefixCache, check_capacity, default_capacity, give_back, take_for
 from assistgen.core.state import Chunk, GenerationState
-from assistgen.drafters.base import drafters_of
+from assistgen.drafters.factory import DrafterFactory
 from assistgen.policy.costs import Calibration, pending
 from assistgen.spec.drafts import Drafter
 from assistgen.spec.steps import Schedule
@@ -72,11 +78,12 @@ _ids = itertools.count(1)
 class Request:
     """One submitted request: its chunks arrive in order; the last one has `finish_reason` set."""
 
-    def __init__(self, prompt_ids: list[int], config: GenerationConfig, on_chunk: Callable[[Chunk], None] | None,
+    def __init__(self, admitted: Admission, on_chunk: Callable[[Chunk], None] | None,
                  drafter: Drafter | None = None, namespace: str | None = None):
         self.id = f"req-{next(_ids)}"
-        self.prompt_ids = list(prompt_ids)
-        self.config = config
+        self.admitted = admitted
+        self.prompt_ids = admitted.prompt_ids
+        self.config = admitted.config
         self.drafter = drafter  # None: the engine's make_drafter() makes one
         self.namespace = namespace  # whose kept prefixes it may reuse and feed (None: none)
         self.error: str | None = None
@@ -90,6 +97,9 @@ class Request:
         self.cancelled.set()
 
     def deliver(self, chunk: Chunk) -> None:
+        """Hand a chunk to the request's consumer, on another thread: its stats a snapshot, not the engine's own."""
+        if chunk.stats is not None:
+            chunk = replace(chunk, stats=chunk.stats.snapshot())
         if chunk.finish_reason is not None:
             self.done.set()
         self._on_chunk(chunk)
@@ -105,10 +115,11 @@ class Request:
 
 
 class BatchEngine:
-    def __init__(self, target: LanguageModel, make_drafter: Callable[[], Drafter], schedule: Schedule,
-                 settings: EngineSettings | None = None):
+    def __init__(self, target: LanguageModel, make_drafter: DrafterFactory | Callable[[], Drafter],
+                 schedule: Schedule, settings: EngineSettings | None = None):
         self.target = target
-        self.make_drafter = make_drafter
+        self.make_drafter = DrafterFactory.of(make_drafter)
+        self.context = context_limit(target, self.make_drafter.context_length)  # the longest a request may grow
         self.schedule = schedule
         self.settings = settings or EngineSettings()
         self.waiting: deque[Request] = deque()
@@ -119,7 +130,7 @@ class BatchEngine:
         self.largest_batch = 0  # the most requests stepped together so far
         self.finished = threading.Event()  # set when the loop has returned
         self.prefix = prefix_cache_for(target, self.settings)  # touched by the engine thread only
-        self.models = served_models(target, make_drafter)  # whose left-for-later cost measurements it runs
+        self.models = served_models(target, self.make_drafter)  # whose left-for-later cost measurements it runs
 
     # --- the client side ----------------------------------------------------------------------------------
 
@@ -142,15 +153,25 @@ class BatchEngine:
             claimed()
         self._run()
 
-    def submit(self, prompt_ids: list[int], config: GenerationConfig,
+    def admit(self, prompt_ids: list[int], config: GenerationConfig, drafter: Drafter | None = None) -> Admission:
+        """A request's admission, on the caller's thread, for its own drafter or (None) the engine's
+        (`admission.admit`: ConfigError for a bad prompt or a grammar that does not compile)."""
+        limit = drafter.context_length if drafter is not None else self.make_drafter.context_length
+        return admit(self.target, prompt_ids, config, limit)
+
+    def submit(self, prompt: list[int] | Admission, config: GenerationConfig | None = None,
                on_chunk: Callable[[Chunk], None] | None = None, drafter: Drafter | None = None,
                namespace: str | None = None) -> Request:
-        """Queue a request; `namespace`: whose kept prefixes it reuses and whose it feeds (None: it neither reuses
-        nor leaves any)."""
-        config.validate()
-        if config.structure is not None:  # (a grammar that does not compile is the caller's error, raised here)
-            compile_structure(self.target.tokenizer, self.target.vocab_size, config.structure)
-        request = Request(prompt_ids, config, on_chunk, drafter, namespace)
+        """Queue a request: `prompt` its ids, admitted here with `config`, or an `Admission` that `admit` made (for
+        the same `drafter`; `config` then None). `namespace`: whose kept prefixes it reuses and whose it feeds
+        (None: it neither reuses nor leaves any)."""
+        if isinstance(prompt, Admission):
+            if config is not None:
+                raise ValueError("submit: an admitted request carries its config: give config=None")
+            admitted = prompt
+        else:
+            admitted = self.admit(prompt, config, drafter)
+        request = Request(admitted, on_chunk, drafter, namespace)
         with self.lock:
             if not self.accepting:
                 raise QueueFull("The server is shutting down and accepts no new requests.")
@@ -244,14 +265,14 @@ class BatchEngine:
             self.running = [r for r, _ in active]
 
     def _begin(self, request: Request) -> GenerationState | None:
-        """The request's sequence in the loop (from the longest prefix kept for its namespace), or None (its error
-        delivered) when it cannot start."""
+        """The request's sequence in the loop, from its admission (and the longest prefix kept for its namespace),
+        or None (its error delivered) when it cannot start."""
         cache = None
         try:
             drafter = request.drafter if request.drafter is not None else self.make_drafter()
-            if self.prefix is not None and request.namespace is not None and request.config.prompt_logprobs is None:
-                cache = self.prefix.take(request.prompt_ids, request.namespace)
-            return begin(self.target, request.prompt_ids, drafter, self.schedule, request.config, cache)
+            cache = take_for(self._prefix(request), request.prompt_ids, request.namespace, request.config)
+            return begin(self.target, request.prompt_ids, drafter, self.schedule, request.config, cache,
+                         request.admitted)
         except Exception as e:  # noqa: BLE001
             if cache is not None:
                 cache.crop(0)
@@ -261,10 +282,11 @@ class BatchEngine:
 
     def _release(self, request: Request, sequence: GenerationState) -> None:
         """A finished request's cache: kept for its namespace's next requests, or its rows given back now."""
-        if self.prefix is not None and request.namespace is not None:
-            self.prefix.give(sequence.cache, request.namespace)
-        else:
-            free_rows(sequence)
+        give_back(self._prefix(request), sequence.cache, request.namespace)
+
+    def _prefix(self, request: Request) -> PrefixCache | None:
+        """The prefix cache a request reuses and feeds: the engine's, when the request names a namespace."""
+        return self.prefix if request.namespace is not None else None
 
     def _cancelled(self, request: Request, sequence: GenerationState) -> bool:
         """Whether the request was cancelled; its last chunk is then delivered and its rows are released."""
@@ -288,13 +310,9 @@ def prefix_cache_for(target: LanguageModel, settings: EngineSettings) -> PrefixC
     return PrefixCache(target, capacity, entries)
 
 
-def served_models(target: LanguageModel, make_drafter: Callable[[], Drafter]) -> list:
-    """The models an engine runs: its target and its drafters' models (a drafter made once to see them)."""
-    try:
-        drafters = drafters_of(make_drafter())
-    except Exception:  # noqa: BLE001 - (a drafter that cannot be made now fails on its request, with its message)
-        drafters = []
-    return [target] + [d.model for d in drafters if getattr(d, "model", None) is not None and d.model is not target]
+def served_models(target: LanguageModel, make_drafter: DrafterFactory) -> list:
+    """The models an engine runs: its target and the models its drafter factory declares."""
+    return [target] + [m for m in make_drafter.models if m is not target]
 
 
 def measure_a_pass(calibration: Calibration, engine: object = None) -> None:

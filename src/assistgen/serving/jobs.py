@@ -1,8 +1,9 @@
 """One HTTP request through the batched engine: `Job` (the engine's handle, the queue its chunks arrive on, its
-timings), the request's drafter and prefix namespace from its API key, `submit` (every prompt checked against the
-context, then queued; a full queue is 429), `follow`/`merged` (the chunks of one job or several, in order, as they
-arrive), `failure`, `usage` and `reply_metrics` (what a finished job reports), and `cancel_when_gone` (a client that
-disconnects has its engine requests cancelled)."""
+timings), the request's drafter and prefix namespace from its API key, `submit` (every prompt admitted by the engine,
+`BatchEngine.admit`: its prompt checked against the context and its grammar compiled, a refusal a 400 naming the
+prompt's field when the prompt is at fault; then queued; a full queue is 429), `follow`/`merged` (the chunks of one
+job or several, in order, as they arrive), `failure`, `usage` and `reply_metrics` (what a finished job reports), and
+`cancel_when_gone` (a client that disconnects has its engine requests cancelled)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from dataclasses import dataclass, field
 
 from fastapi import Request as HTTPRequest
 
-from assistgen.config import ConfigError, Structure
-from assistgen.core.engine import check_prompt
+from assistgen.config import ConfigError, GenerationConfig, Structure
+from assistgen.core.admission import Admission, PromptError
 from assistgen.core.logprobs import TokenLogprob
 from assistgen.core.state import Chunk
 from assistgen.core.tools import (
@@ -122,27 +123,29 @@ def check_model(state: AppState, name: str | None) -> None:
                        "not_found_error", "model", "model_not_found")
 
 
-def encoded(state: AppState, encode: Callable[[], list[int]], param: str) -> list[int]:
+def encoded(encode: Callable[[], list[int]], param: str) -> list[int]:
+    """The prompt's ids (`encode()`); what cannot be encoded is a 400 naming `param`, the field it came in."""
     try:
-        ids = encode()
-        check_prompt(ids, state.engine.target, state.context)
+        return encode()
     except ConfigError as e:
         raise APIError(400, str(e), param=param) from e
-    return ids
 
 
 def submit(state: AppState, body: Sampling, prompts: list[list[int]], http: HTTPRequest,
-           calls: Structure | None = None) -> list[Job]:
-    """One engine request per prompt (each checked in full before any is queued); a refusal cancels the ones
-    already queued. `calls`: the structure tool calls follow."""
+           calls: Structure | None = None, param: str = "prompt") -> list[Job]:
+    """One engine request per prompt, each admitted before any is queued; a refusal cancels the ones already
+    queued. `calls`: the structure tool calls follow; `param`: the field the prompts came in."""
     configs = [generation_config(body, state.settings.max_tokens_limit, state.context - len(ids), calls)
                for ids in prompts]
     if state.closing:
         raise APIError(503, "The server is shutting down.", "service_unavailable")
+    key, started = api_key(http), time.perf_counter()
+    admitted = [admission(state, ids, config, drafter_for(state, key), param)
+                for ids, config in zip(prompts, configs, strict=True)]
     jobs: list[Job] = []
     try:
-        for ids, config in zip(prompts, configs, strict=True):
-            jobs.append(submit_one(state, ids, config, http))
+        for one, drafter in admitted:
+            jobs.append(submit_one(state, one, drafter, key, started))
     except APIError:
         for job in jobs:
             job.request.cancel()
@@ -150,19 +153,28 @@ def submit(state: AppState, body: Sampling, prompts: list[list[int]], http: HTTP
     return jobs
 
 
-def submit_one(state: AppState, prompt_ids: list[int], config, http: HTTPRequest) -> Job:
-    job = Job(prompt_ids, asyncio.Queue(), time.perf_counter())
-    key = api_key(http)
-    drafter = drafter_for(state, key)
+def admission(state: AppState, ids: list[int], config: GenerationConfig, drafter: Drafter | None,
+              param: str) -> tuple[Admission, Drafter | None]:
+    """(the request's admission by the engine, the drafter it was admitted for); a refusal is a 400, naming `param`
+    when the prompt is at fault."""
     try:
-        job.request = state.engine.submit(prompt_ids, config, chunk_sink(asyncio.get_running_loop(), job.queue),
+        return state.engine.admit(ids, config, drafter), drafter
+    except PromptError as e:
+        raise APIError(400, str(e), param=param) from e
+    except ConfigError as e:
+        raise APIError(400, str(e)) from e
+
+
+def submit_one(state: AppState, admitted: Admission, drafter: Drafter | None, key: str | None,
+               started: float) -> Job:
+    job = Job(admitted.prompt_ids, asyncio.Queue(), started)
+    try:
+        job.request = state.engine.submit(admitted, None, chunk_sink(asyncio.get_running_loop(), job.queue),
                                           drafter=drafter, namespace=prefix_namespace(state, key))
     except QueueFull as e:
         if state.closing:
             raise APIError(503, "The server is shutting down.", "service_unavailable") from e
         raise APIError(429, str(e), "rate_limit_error") from e
-    except ConfigError as e:
-        raise APIError(400, str(e)) from e
     return job
 
 

@@ -262,7 +262,8 @@ def install_error_handlers(app: FastAPI) -> None:
 def generation_config(body: Sampling, limit: int | None, room: int,
                       calls: Structure | None = None) -> GenerationConfig:
     """The body's GenerationConfig for a prompt that leaves `room` positions of the context: asked-for new tokens
-    above `limit` (the server's) or `room` are a 400; none asked for: up to `room`, within `limit`; `calls`:
+    above `limit` (the server's) or `room` are a 400; none asked for: up to `room`, within `limit` (a prompt that
+    leaves no room is refused by the engine's admission, naming the prompt); `calls`:
     the structure its tool calls follow (`core.tools.call_structure`), which excludes a response format. (The
     endpoints call `refuse_unsupported` first.)"""
     if body.n not in (None, 1):
@@ -280,18 +281,17 @@ def generation_config(body: Sampling, limit: int | None, room: int,
                        '"none".', param="tool_choice")
     settings.update(logprobs=body.asked_logprobs(), prompt_logprobs=body.asked_prompt_logprobs(),
                     structure=structure or calls)
-    config = GenerationConfig(**settings)
     if asked is None:  # (as OpenAI and vLLM: up to the end of the context, within the server's limit)
         bound = min(room, limit) if limit is not None else room
-        config = GenerationConfig(**{**settings, "max_new_tokens": max(1, bound)})
+        settings["max_new_tokens"] = max(1, bound)
     elif isinstance(asked, int) and asked > 0:
         if limit is not None and asked > limit:
             raise APIError(400, f"{field} is {asked}, above this server's limit {limit}.", param=field)
-        if asked > room:
+        if 0 < room < asked:  # (room < 1: the prompt does not fit, which admission refuses, naming the prompt)
             raise APIError(400, f"{field} is {asked}, but the prompt leaves room for {room} new tokens in the "
                            f"model's context: ask for at most {room}, or give a shorter prompt.", param=field)
     try:
-        return config.validate()
+        return GenerationConfig(**settings)  # (checked as it is built)
     except ConfigError as e:
         message = str(e).replace("max_new_tokens", field)  # GenerationConfig's name -> the API's
         param = next((f for f in type(body).model_fields if message.startswith(f)), None)

@@ -152,9 +152,7 @@ async def call_app(app, method: str, path: str, headers: list[tuple[str, str]], 
 
 def build_server(spec: ReplicaSpec):
     """The single-process server's app and engine for a replica (the model loaded here)."""
-    from functools import partial
-
-    from assistgen.api import as_schedule, default_schedule, load_model, make_drafter, use_chat_template
+    from assistgen.api import as_schedule, default_schedule, drafter_factory, load_model, use_chat_template
     from assistgen.serving.batching import BatchEngine, EngineSettings
     from assistgen.serving.server import ServerSettings, create_app
 
@@ -162,7 +160,8 @@ def build_server(spec: ReplicaSpec):
     if spec.chat_template is not None:
         use_chat_template(target, spec.chat_template)
     assistant = load_model(spec.assistant, **spec.assistant_loading) if spec.assistant else None
-    drafters = partial(make_drafter, target, assistant, spec.lookup, spec.early_exit, suffix=spec.suffix)
+    drafters = drafter_factory(target, assistant, spec.lookup, spec.early_exit, suffix=spec.suffix)
+    drafters()  # bad drafter options fail here, as the replica starts (and early exit's calibration runs)
     schedule = as_schedule(spec.schedule) if spec.schedule is not None else default_schedule()
     engine = BatchEngine(target, drafters, schedule, EngineSettings(**spec.engine))
     app = create_app(engine, ServerSettings(model_name=spec.model, ngram_cache=spec.ngram_cache,

@@ -9,9 +9,10 @@ as `create_app(..., speech=SpeechService(...))`; without one it answers 404 sayi
 from the app's own registry, `metrics.py`). The handlers are module-level functions over the app's `AppState`
 (`app_state.py`: engine, settings, metrics, the speech model, whether it is closing); a request's way through the
 engine is `jobs.py`, the answers' OpenAI shapes `replies.py`. Every request is
-checked in full before it reaches the engine (`protocol.py`): each field OpenAI's API defines is honoured or,
-where this server does not do it, refused unless left at its "off" value; a prompt plus the new tokens asked
-for must fit the context. A completion request with several prompts runs them as separate engine requests,
+checked in full before it reaches the engine (`protocol.py`, then the engine's admission on the handler's thread:
+the prompt against the context, the grammar compiled, `BatchEngine.admit`): each field OpenAI's API defines is
+honoured or, where this server does not do it, refused unless left at its "off" value; a prompt plus the new tokens
+asked for must fit the context. A completion request with several prompts runs them as separate engine requests,
 batched, one choice each (`index` in order, usage summed); `echo` puts the prompt's text before each choice.
 A client mistake answers 4xx with OpenAI's error body (400 bad input, 404 unknown model, 429 queue full, 503
 shutting down), anything else 500 with the same body. A client that goes away mid-generation (streamed or not)
@@ -42,7 +43,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from assistgen.api import encode_chat, encode_prompt
 from assistgen.config import ConfigError, Structure
-from assistgen.core.engine import context_limit
 from assistgen.core.tools import (
     CallSyntax,
     ToolSchemaError,
@@ -80,7 +80,7 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
     refuse_unsupported(body)
     target = state.engine.target
     prompts = completion_prompts(body.prompt)
-    ids = [encoded(state, lambda p=p: encode_prompt(target, p), "prompt") for p in prompts]
+    ids = [encoded(lambda p=p: encode_prompt(target, p), "prompt") for p in prompts]
     jobs = submit(state, body, ids, http)
     echoes = [p if isinstance(p, str) else target.tokenizer.decode(p) for p in prompts] if body.echo else None
     return await respond(state, body, jobs, False, http, echoes)
@@ -92,8 +92,8 @@ async def chat_completions(body: ChatRequest, http: HTTPRequest):
     refuse_unsupported(body)
     messages = message_dicts(body.messages)
     syntax, calls, specs = tools_for(state, tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls))
-    ids = encoded(state, lambda: encode_chat(state.engine.target, messages, specs), "messages")
-    jobs = submit(state, body, [ids], http, calls)
+    ids = encoded(lambda: encode_chat(state.engine.target, messages, specs), "messages")
+    jobs = submit(state, body, [ids], http, calls, "messages")
     jobs[0].calls = syntax
     return await respond(state, body, jobs, True, http)
 
@@ -131,8 +131,8 @@ async def responses(body: ResponsesRequest, http: HTTPRequest):
         syntax, calls, specs = tools_for(state, plan)
     except APIError as e:  # (chat's tools nest a function's fields under "function"; these tools are flat)
         raise APIError(e.status, flat_tool_names(e.message), e.type, flat_tool_names(e.param)) from e
-    ids = encoded(state, lambda: encode_chat(state.engine.target, messages, specs), "input")
-    jobs = submit(state, body, [ids], http, calls)
+    ids = encoded(lambda: encode_chat(state.engine.target, messages, specs), "input")
+    jobs = submit(state, body, [ids], http, calls, "input")
     out = Reply(body, state.settings.model_name, syntax)
     if body.stream:
         return StreamingResponse(response_events(state, jobs[0], out), media_type="text/event-stream")
@@ -214,8 +214,7 @@ def create_app(engine: BatchEngine, settings: ServerSettings, make_drafter: Call
     if (settings.ngram_cache or settings.suffix) and make_drafter is None:
         raise ConfigError("ngram_cache and suffix need make_drafter(ngram_cache=..., suffix=...) to give each API key "
                           "its own.")
-    state = AppState(engine, settings, make_drafter, context_limit(engine.target, engine.make_drafter()),
-                     Metrics(engine), speech)
+    state = AppState(engine, settings, make_drafter, engine.context, Metrics(engine), speech)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

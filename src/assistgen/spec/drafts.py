@@ -18,6 +18,7 @@ Three notifications have do-nothing defaults here (a drafter subclasses `Drafter
     finish(ids)       the whole sequence when the generation ends (a cache that learns across requests
                       records it);
     report() -> dict  drafter-specific figures for the statistics.
+`isinstance(x, Drafter)` holds for an object with every part above (subclass or not).
 Drafters never see the target's cache and never decide acceptance; the generation loop does.
 `first_draft` is the one loop that asks several drafters in turn (cheapest first) and keeps the first
 non-empty draft: the generation loop and `drafters.base.CompositeDrafter` both use it. A model drafter keeps
@@ -31,7 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -46,6 +47,7 @@ class Draft:
     source: str = ""  # what produced it (e.g. "lookup:3", "assistant"): acceptance is tracked per source
 
 
+@runtime_checkable
 class Drafter(Protocol):
     name: str
     context_length: int | None

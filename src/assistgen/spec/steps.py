@@ -24,7 +24,7 @@ verified beside a sequence's own; None for every run that never does). No schedu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from assistgen.spec.drafts import Draft, Drafter
 
@@ -61,6 +61,7 @@ class ScheduleRun(Protocol):
     def report(self) -> dict: ...
 
 
+@runtime_checkable
 class Schedule(Protocol):
     """Lookahead settings (immutable); `prepare` begins one generation's run."""
 
