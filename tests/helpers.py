@@ -185,7 +185,7 @@ def assert_exact_or_near_tie(model: Model, prompt: list[int], reference: list[in
         assert d.margin < tie, f"divergence at new token {d.position} with margin {d.margin:.3e} (tie: < {tie})"
 
 
-# --- the server with tools (tests/core/test_tools.py, tests/serving/test_responses.py) ------------------------------
+# --- the server with tools (tests/chat/test_tools.py, tests/serving/test_responses.py) ------------------------------
 
 TOOLS_TEMPLATE = Path(__file__).resolve().parent / "data" / "hermes_tools.jinja"  # (SmolLM2's own template
 # renders no tools: a Hermes-style one that does)

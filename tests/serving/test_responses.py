@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
 from assistgen import load_model
-from assistgen.core.tools import HERMES
+from assistgen.chat.syntax import HERMES
 from assistgen.serving.responses import Reply, ResponsesRequest
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city.",

@@ -400,7 +400,7 @@ ASKING = {
     "guided_grammar": 'root ::= "ok"',
 }
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # sent to a server whose template renders tools:
-# tests/core/test_tools.py (SmolLM2's own template renders none)
+# tests/chat/test_tools.py (SmolLM2's own template renders none)
 EFFECT = {  # what a reply shows for a field that is honoured (choice -> bool)
     "response_format": lambda c: c["message"]["content"].startswith("{"),
     "structured_outputs": lambda c: (c.get("text") or c.get("message", {}).get("content", "")).isdigit(),

@@ -12,10 +12,11 @@ import argparse
 import json
 import sys
 
-from assistgen.api import stream, use_chat_template
+from assistgen.api import stream
 from assistgen.backends.embedded import EMBEDDED, ModelLoadError, is_installed
 from assistgen.backends.torch.loading import converted_dir, is_cached
 from assistgen.bench.dataset import DatasetError
+from assistgen.chat.templates import read_chat_template, use_chat_template
 from assistgen.cli import serve_speech
 from assistgen.cli.options import (
     add_placement,
@@ -263,8 +264,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def chat_template_text(args: argparse.Namespace) -> str | None:
     """--chat-template's text (None: the model's own), read and checked before any model loads."""
-    from assistgen.api import read_chat_template
-
     return None if getattr(args, "chat_template", None) is None else read_chat_template(args.chat_template)
 
 

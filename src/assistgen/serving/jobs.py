@@ -14,13 +14,11 @@ from dataclasses import dataclass, field
 
 from fastapi import Request as HTTPRequest
 
+from assistgen.chat.syntax import CallSyntax
 from assistgen.config import ConfigError, Structure
 from assistgen.core.engine import check_prompt
 from assistgen.core.logprobs import TokenLogprob
 from assistgen.core.state import Chunk
-from assistgen.core.tools import (
-    CallSyntax,
-)
 from assistgen.drafters.ngram import NGramCache
 from assistgen.serving.app_state import AppState
 from assistgen.serving.batching import QueueFull, Request

@@ -25,8 +25,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
+from assistgen.chat.tools import Tool
 from assistgen.config import MAX_LOGPROBS, ConfigError, GenerationConfig, Structure
-from assistgen.core.tools import Tool
 
 FINISH_REASONS = {"length": "length", "context": "length", "eos": "stop", "stop": "stop", "cancelled": "abort"}
 
@@ -263,7 +263,7 @@ def generation_config(body: Sampling, limit: int | None, room: int,
                       calls: Structure | None = None) -> GenerationConfig:
     """The body's GenerationConfig for a prompt that leaves `room` positions of the context: asked-for new tokens
     above `limit` (the server's) or `room` are a 400; none asked for: up to `room`, within `limit`; `calls`:
-    the structure its tool calls follow (`core.tools.call_structure`), which excludes a response format. (The
+    the structure its tool calls follow (`chat.grammar.call_structure`), which excludes a response format. (The
     endpoints call `refuse_unsupported` first.)"""
     if body.n not in (None, 1):
         raise APIError(400, f"n must be 1 (one choice per prompt), got {body.n}.", param="n")

@@ -154,7 +154,8 @@ def build_server(spec: ReplicaSpec):
     """The single-process server's app and engine for a replica (the model loaded here)."""
     from functools import partial
 
-    from assistgen.api import as_schedule, default_schedule, load_model, make_drafter, use_chat_template
+    from assistgen.api import as_schedule, default_schedule, load_model, make_drafter
+    from assistgen.chat.templates import use_chat_template
     from assistgen.serving.batching import BatchEngine, EngineSettings
     from assistgen.serving.server import ServerSettings, create_app
 

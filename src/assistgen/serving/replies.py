@@ -1,6 +1,6 @@
 """Answers in OpenAI's shapes from finished or running jobs: `respond` (one JSON body, or server-sent events with
 `stream: true`), the chat message with its tool calls (`tool_message`, read from the text in the call syntax of
-`core.tools`; `CallStream` while streaming: text until a call starts, then the call's arguments as they come), the
+`chat.parser`; `CallStream` while streaming: text until a call starts, then the call's arguments as they come), the
 log-probabilities of chat and completions, and `sse` (one event)."""
 
 from __future__ import annotations
@@ -15,14 +15,9 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from assistgen.chat.parser import CallParser, CallStart, Content, parse_calls
 from assistgen.core.logprobs import TokenLogprob
 from assistgen.core.state import Chunk
-from assistgen.core.tools import (
-    CallParser,
-    CallStart,
-    Content,
-    parse_calls,
-)
 from assistgen.serving.app_state import AppState
 from assistgen.serving.jobs import Job, cancel_when_gone, failure, merged, reply_metrics, usage
 from assistgen.serving.metrics import spec_decode_metrics

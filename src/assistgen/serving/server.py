@@ -3,7 +3,7 @@
 Contract: `create_app(engine, settings, make_drafter)` builds a FastAPI app (no model loading: tests pass
 a loaded model's engine) serving `POST /v1/completions`, `POST /v1/chat/completions` (both with
 `stream: true` as server-sent events), `POST /v1/responses` (the Responses API, `responses.py`; tool calls on
-chat and responses: `core.tools`), `POST /v1/audio/transcriptions` (`transcriptions.py`, with the speech model given
+chat and responses: the `chat` layer), `POST /v1/audio/transcriptions` (`transcriptions.py`, with the speech model given
 as `create_app(..., speech=SpeechService(...))`; without one it answers 404 saying how to serve one), `GET
 /v1/models` (the speech model listed too), `GET /v1/models/{id}`, `GET /health` and `GET /metrics` (Prometheus text
 from the app's own registry, `metrics.py`). The handlers are module-level functions over the app's `AppState`
@@ -40,15 +40,12 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from assistgen.api import encode_chat, encode_prompt
+from assistgen.api import encode_prompt
+from assistgen.chat.grammar import ToolSchemaError, call_structure
+from assistgen.chat.syntax import CallSyntax, call_syntax
+from assistgen.chat.templates import encode_chat
 from assistgen.config import ConfigError, Structure
 from assistgen.core.engine import context_limit
-from assistgen.core.tools import (
-    CallSyntax,
-    ToolSchemaError,
-    call_structure,
-    call_syntax,
-)
 from assistgen.policy.costs import costs_state
 from assistgen.serving.app_state import AppState, ServerSettings, state_of
 from assistgen.serving.batching import BatchEngine
