@@ -23,12 +23,9 @@ from assistgen.drafters.ngram import NGramCache
 from assistgen.serving.app_state import AppState
 from assistgen.serving.batching import QueueFull, Request
 from assistgen.serving.metrics import spec_decode_metrics
-from assistgen.serving.protocol import (
-    FINISH_REASONS,
-    APIError,
-    Sampling,
-    generation_config,
-)
+from assistgen.serving.wire.common import FINISH_REASONS, Sampling
+from assistgen.serving.wire.errors import APIError
+from assistgen.serving.wire.generation import generation_config
 from assistgen.spec.drafts import Drafter
 from assistgen.stats import Stats
 

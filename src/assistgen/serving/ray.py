@@ -179,7 +179,7 @@ def deployments(options: ReplicaOptions):
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from ray import serve
 
-    from assistgen.serving.protocol import error_body
+    from assistgen.serving.wire.errors import error_body
 
     @serve.deployment(**options.deployment_options())
     class Replica:
@@ -268,7 +268,7 @@ async def relay(stream) -> AsyncIterator[bytes]:
     """A replica's body chunks; a replica that dies mid-stream ends it with an error event and [DONE]."""
     import json
 
-    from assistgen.serving.protocol import error_body
+    from assistgen.serving.wire.errors import error_body
 
     try:
         async for chunk in stream:

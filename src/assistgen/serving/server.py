@@ -2,14 +2,14 @@
 
 Contract: `create_app(engine, settings, make_drafter)` builds a FastAPI app (no model loading: tests pass
 a loaded model's engine) serving `POST /v1/completions`, `POST /v1/chat/completions` (both with
-`stream: true` as server-sent events), `POST /v1/responses` (the Responses API, `responses.py`; tool calls on
+`stream: true` as server-sent events), `POST /v1/responses` (the Responses API, `wire/responses.py`; tool calls on
 chat and responses: the `chat` layer), `POST /v1/audio/transcriptions` (`transcriptions.py`, with the speech model given
 as `create_app(..., speech=SpeechService(...))`; without one it answers 404 saying how to serve one), `GET
 /v1/models` (the speech model listed too), `GET /v1/models/{id}`, `GET /health` and `GET /metrics` (Prometheus text
 from the app's own registry, `metrics.py`). The handlers are module-level functions over the app's `AppState`
 (`app_state.py`: engine, settings, metrics, the speech model, whether it is closing); a request's way through the
-engine is `jobs.py`, the answers' OpenAI shapes `replies.py`. Every request is
-checked in full before it reaches the engine (`protocol.py`): each field OpenAI's API defines is honoured or,
+engine is `jobs.py`, its answers `replies.py` (in the shapes of `wire/`). Every request is
+checked in full before it reaches the engine (`wire/`): each field OpenAI's API defines is honoured or,
 where this server does not do it, refused unless left at its "off" value; a prompt plus the new tokens asked
 for must fit the context. A completion request with several prompts runs them as separate engine requests,
 batched, one choice each (`index` in order, usage summed); `echo` puts the prompt's text before each choice.
@@ -51,21 +51,15 @@ from assistgen.serving.app_state import AppState, ServerSettings, state_of
 from assistgen.serving.batching import BatchEngine
 from assistgen.serving.jobs import Job, check_model, encoded, failure, merged, reply_metrics, submit
 from assistgen.serving.metrics import Metrics
-from assistgen.serving.protocol import (
-    APIError,
-    ChatRequest,
-    CompletionRequest,
-    ToolPlan,
-    completion_prompts,
-    install_error_handlers,
-    message_dicts,
-    refuse_unsupported,
-    tool_plan,
-)
 from assistgen.serving.replies import finished, respond
-from assistgen.serving.responses import RESPONSES_REFUSED, Reply, ResponsesRequest
 from assistgen.serving.speech_service import SpeechService
 from assistgen.serving.transcriptions import openapi_form, transcriptions
+from assistgen.serving.wire.chat import ChatRequest, message_dicts
+from assistgen.serving.wire.common import refuse_unsupported
+from assistgen.serving.wire.completions import CompletionRequest, completion_prompts
+from assistgen.serving.wire.errors import APIError, install_error_handlers
+from assistgen.serving.wire.responses import RESPONSES_REFUSED, Reply, ResponsesRequest
+from assistgen.serving.wire.tools import ToolPlan, tool_plan
 from assistgen.spec.drafts import Drafter
 
 # --- the endpoints ------------------------------------------------------------------------------------------

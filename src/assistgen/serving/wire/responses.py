@@ -25,11 +25,13 @@ from pydantic import Field
 
 from assistgen.chat.parser import Arguments, CallParser, CallStart, Content
 from assistgen.chat.syntax import CallSyntax
-from assistgen.serving.protocol import APIError, Message, Sampling, call_dict, message_dicts, new_id
+from assistgen.serving.wire.chat import Message, call_dict, message_dicts
+from assistgen.serving.wire.common import Sampling, new_id
+from assistgen.serving.wire.errors import APIError
 
 # --- the request ---------------------------------------------------------------------------------------------
 
-# Fields of POST /v1/responses this server does not do, accepted only at their "off" values (as protocol.REFUSED,
+# Fields of POST /v1/responses this server does not do, accepted only at their "off" values (as common.REFUSED,
 # which is checked too: penalties, store, service_tier). metadata, user, safety_identifier and prompt_cache_key
 # change no reply (prefixes are kept per API key whatever the cache key) and are accepted.
 RESPONSES_REFUSED: dict[str, tuple[tuple, str]] = {
