@@ -2,7 +2,8 @@
 tokenizer, transformers' greedy decoding and a cache-less loop as references, a small BPE tokenizer, the
 deliberately wrong verification rule the probability tests must catch, the one-sequence verification
 length the loop's optimizer picks, and the near-tie tolerant comparison the GPU tests use. Test modules import
-from here, never from each other or conftest."""
+from here and from `reference.py` (the library's rules and checks kept out of the package), never from each other or
+conftest."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from reference import first_divergence
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     Gemma3ForCausalLM,
@@ -25,7 +27,6 @@ from transformers import (
 from assistgen.backends.torch.model import Model
 from assistgen.backends.torch.reference import hf_generate
 from assistgen.backends.torch.transforms import untransformed
-from assistgen.core.exactness import first_divergence
 from assistgen.policy.lengths import verified_lengths
 
 CHARS = string.ascii_letters + string.digits + " .,;:!?'\"-\n()"
