@@ -5,8 +5,8 @@ triggers) under which every call the model writes is one of `tools` (`chat.tools
 that tool's parameter schema (laid out as templates render arguments), named by the tool's place when it does not
 compile (`ToolSchemaError`): with `choice="auto"` text is free until the model opens a call in one of the syntax's
 forms (`chat.syntax`); "required" and a tool's name make the output calls only, in the template's form;
-`parallel=False` ends it after the first call. The grammar is compiled by the loop (`core.constraint`), as any
-structure is.
+`parallel=False` ends it after the first call. Each tool's schema is checked here (llguidance validates it); the
+whole grammar is compiled by the loop (`core.constraint`), as any structure is.
 """
 
 from __future__ import annotations
