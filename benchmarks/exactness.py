@@ -13,12 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from assistgen import generate, load_model
 from assistgen.api import encode_prompt
 from assistgen.backends.torch.reference import hf_generate
 from assistgen.cli.demo import summary_prompt
-from assistgen.core.exactness import first_divergence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from reference import first_divergence  # noqa: E402 (tests/reference.py)
 
 PROMPTS = [
     summary_prompt(),

@@ -5,7 +5,7 @@ each row count n = 2..17 feeds n of those tokens in one pass from every start po
 whose logits are bitwise the reference's is printed with the largest difference. Then, over the shipped suite,
 the share of prompts whose greedy output with a drafter (prompt lookup, a fixed 4-token schedule, so that every
 row count is used) differs from plain decoding on the same backend, and whether each first divergence is a near
-tie (`core.exactness.first_divergence`). Prints a table, then one JSON line.
+tie (`first_divergence`, tests/reference.py). Prints a table, then one JSON line.
 
     python benchmarks/llama_rows.py --models smollm2-135m,gemma3-270m --settings repack,norepack
 """
@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 
 from assistgen import generate, load_model
 from assistgen.api import encode_prompt
 from assistgen.bench.dataset import default_suite, read_prompts, select
-from assistgen.core.exactness import first_divergence
 from assistgen.policy.rules import Constant
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from reference import first_divergence  # noqa: E402 (tests/reference.py)
 
 SETTINGS = {"repack": {"repack": True}, "norepack": {"repack": False}}
 

@@ -59,7 +59,7 @@ def main():
     p.add_argument("--tokens", type=int, default=96)
     args = p.parse_args()
     from assistgen import Structure, generate, load_model
-    from assistgen.api import encode_chat
+    from assistgen.chat.templates import encode_chat
 
     spent = timed_constraint()
     model = load_model(args.model, backend=args.backend)

@@ -2,7 +2,8 @@
 tokenizer, transformers' greedy decoding and a cache-less loop as references, a small BPE tokenizer, the
 deliberately wrong verification rule the probability tests must catch, the one-sequence verification
 length the loop's optimizer picks, and the near-tie tolerant comparison the GPU tests use. Test modules import
-from here, never from each other or conftest."""
+from here and from `reference.py` (the library's rules and checks kept out of the package), never from each other or
+conftest."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from reference import first_divergence
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     Gemma3ForCausalLM,
@@ -25,7 +27,6 @@ from transformers import (
 from assistgen.backends.torch.model import Model
 from assistgen.backends.torch.reference import hf_generate
 from assistgen.backends.torch.transforms import untransformed
-from assistgen.core.exactness import first_divergence
 from assistgen.policy.lengths import verified_lengths
 
 CHARS = string.ascii_letters + string.digits + " .,;:!?'\"-\n()"
@@ -185,7 +186,7 @@ def assert_exact_or_near_tie(model: Model, prompt: list[int], reference: list[in
         assert d.margin < tie, f"divergence at new token {d.position} with margin {d.margin:.3e} (tie: < {tie})"
 
 
-# --- the server with tools (tests/core/test_tools.py, tests/serving/test_responses.py) ------------------------------
+# --- the server with tools (tests/chat/test_tools.py, tests/serving/test_responses.py) ------------------------------
 
 TOOLS_TEMPLATE = Path(__file__).resolve().parent / "data" / "hermes_tools.jinja"  # (SmolLM2's own template
 # renders no tools: a Hermes-style one that does)

@@ -8,9 +8,12 @@ still ties the two modules together), without importing anything. Layers, lowest
     3  policy                            how much to draft and verify
     4  drafters                          what drafts (early exit sizes its draft with the policy's optimizer)
     5  core                              the loop
-    6  api                               the public surface
-    7  serving, bench                    the server and the benchmark library
-    8  cli, __init__                     the commands, and the package's exports
+    6  chat                              the edge between the library's loop and the wire: chat templates, the
+                                         tool-call grammar and the call parser (the loop never imports it; the
+                                         public surface renders chat prompts with it, the server reads calls with it)
+    7  api, speech                       the public surface
+    8  serving, bench                    the server and the benchmark library
+    9  cli, __init__                     the commands, and the package's exports
 A module may import its own layer and those below; above the backends nothing touches a model's
 PyTorch modules (`torch.nn`, transformers' model classes, the `.hf` attribute of the torch backend's
 `Model`).
@@ -25,7 +28,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "assistgen"
 LAYERS = {"config": 0, "stats": 0, "paths": 0, "backends": 1, "spec": 2, "policy": 3, "drafters": 4, "core": 5,
-          "api": 6, "speech": 6, "serving": 7, "bench": 7, "cli": 8, "__init__": 8}
+          "chat": 6, "api": 7, "speech": 7, "serving": 8, "bench": 8, "cli": 9, "__init__": 9}
 MODEL_MODULES = ("torch.nn", "transformers", "llama_cpp")  # what only the backends may import
 
 

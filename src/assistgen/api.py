@@ -3,10 +3,10 @@
 
 Contract: turns user-facing arguments (model names or objects, a prompt string or token ids, an
 assistant, sampling settings) into a target model (`backends.base.LanguageModel`), a drafter, a schedule
-and a `GenerationConfig`, checks them, and runs `engine.stream` (`drafter_factory`: the same drafting options as a
-server's `DrafterFactory`). Bad input raises `ConfigError` or
-`ModelLoadError` (ValueErrors) whose message says what is wrong and how to fix it. Getting a model
-ready is two explicit steps: loading (`backends.loader.load`, on the chosen backend) and
+and a `GenerationConfig`, checks them, and runs `engine.stream` (a chat prompt rendered by `chat.templates`;
+`drafter_factory`: the same drafting options as a server's `DrafterFactory`). Bad input raises `ConfigError` or
+`ModelLoadError` (ValueErrors) whose message says what is wrong and how to fix it. Getting a model ready is two
+explicit steps: loading (`backends.loader.load`, on the chosen backend) and
 `prepare(model)` (the backend's optimization transforms, then the policy's cost measurements, kept in
 the model's own `costs` field); `load_model` runs both, as the CLI, the server and the bench do, its options
 parsed once into a `LoadSettings`. `generate`, `stream` and a drafter never load a model per call: a name they are
@@ -21,19 +21,16 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
-
-from jinja2 import TemplateError
 
 from assistgen.backends.base import Computes, LanguageModel
 from assistgen.backends.loader import LoadSettings, load
+from assistgen.chat.templates import encode_chat
 from assistgen.config import Cancelled, ConfigError, GenerationConfig, Structure, check_cancelled
 from assistgen.core.engine import stream as run_loop
 from assistgen.core.logprobs import TokenLogprob
 from assistgen.core.prefix import PrefixCache, check_capacity, default_capacity
 from assistgen.core.state import Chunk
-from assistgen.core.tools import call_syntax
 from assistgen.drafters.assistant import AssistantDrafter, same_tokenizer
 from assistgen.drafters.base import CompositeDrafter, NoDrafter
 from assistgen.drafters.early_exit import EarlyExitDrafter
@@ -94,34 +91,6 @@ def prepare(model, fast_linear: bool | str = "auto", refresh: bool = False, cali
     return model
 
 
-def use_chat_template(model, template: str):
-    """The explicit step that replaces the model's chat template (`read_chat_template`). Returns the model."""
-    model.tokenizer.chat_template = read_chat_template(template)
-    return model
-
-
-def read_chat_template(template: str) -> str:
-    """A chat template's text from a Jinja file's path or the template itself (as transformers' `chat_template`);
-    a missing file or a template that does not parse is a ConfigError."""
-    from jinja2 import TemplateSyntaxError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    if not isinstance(template, str) or not template.strip():
-        raise ConfigError("chat template: give a Jinja file's path or the template's text.")
-    looks_like_text = "{%" in template or "{{" in template
-    if not looks_like_text:
-        path = Path(template).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"chat template: {template} is not a file (give a Jinja file's path or the template's "
-                              "text).")
-        template = path.read_text()
-    try:
-        ImmutableSandboxedEnvironment().parse(template)
-    except TemplateSyntaxError as e:
-        raise ConfigError(f"chat template: line {e.lineno}: {e.message}. Fix the template.") from e
-    return template
-
-
 _NAMED: dict[tuple[str, str], Any] = {}  # (kind, spec) -> the model a name given to generate/stream/... resolved to
 _NAMING = threading.Lock()
 
@@ -165,26 +134,6 @@ def encode_prompt(model: LanguageModel, prompt: str | list[int], chat: bool = Fa
     if chat:
         return encode_chat(model, [{"role": "user", "content": prompt}])
     return list(model.tokenizer(prompt)["input_ids"])
-
-
-def encode_chat(model: LanguageModel, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """Chat messages ({"role", "content"} dicts; an assistant's may carry "tool_calls", a "tool" message answers
-    one) -> token ids through the model's chat template, with the prompt for the assistant's turn appended; `tools`
-    (OpenAI function tools) are rendered by the template too. A model without a template, a template that renders
-    no tools when tools are given, or messages its template refuses, raise `ConfigError`."""
-    tok = model.tokenizer
-    if not getattr(tok, "chat_template", None):
-        raise ConfigError(f"{model.name} has no chat template: drop chat=True / --chat.")
-    if tools and call_syntax(tok) is None:
-        raise ConfigError(f"The chat template of {model.name} renders no tools: serve a model whose template does "
-                          "(e.g. qwen2.5-coder-1.5b), or give a template with tools (--chat-template).")
-    try:
-        ids = tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True)
-    except (TemplateError, ValueError, TypeError, KeyError) as e:
-        raise ConfigError(f"The chat template of {model.name} refused the messages: {e}") from e
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
 
 
 def make_drafter(

@@ -37,7 +37,7 @@ class Structure:
     """What the output must match: "json_object" (any JSON object), "json_schema" (`spec`: the schema's JSON text),
     "regex" (`spec`: a regular expression, Rust's syntax) or "grammar" (`spec`: a GBNF grammar, llama.cpp's, or a
     Lark one in llguidance's syntax, whose lazy lexemes leave text free until a trigger opens a structure, as tool
-    calls are built by `core.tools`). `core/constraint.py` compiles it; a spec that does not compile is a
+    calls are built by `chat.grammar`). `core/constraint.py` compiles it; a spec that does not compile is a
     ConfigError there."""
 
     kind: str

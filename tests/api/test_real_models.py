@@ -6,6 +6,7 @@ import copy
 
 import pytest
 from helpers import hf_greedy
+from reference import first_divergence
 
 from assistgen import TokenizerMismatchError, generate, load_model
 from assistgen.api import encode_prompt
@@ -13,7 +14,6 @@ from assistgen.backends.torch.model import Model
 from assistgen.backends.torch.transforms import is_applied
 from assistgen.cli.demo import summary_prompt
 from assistgen.cli.main import main
-from assistgen.core.exactness import first_divergence
 from assistgen.drafters.assistant import check_same_tokenizer
 from assistgen.drafters.lookup import PromptLookupDrafter
 from assistgen.policy.rules import Constant, Heuristic

@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import assert_exact_or_near_tie, encode, hf_greedy, tiny_gemma3, tiny_llama
 from mixed_tokenizers import byte_bpe, sentencepiece_bpe, tiny_model
+from reference import verify_speculative
 
 from assistgen import Model, ModelLoadError, generate, load_model
 from assistgen.backends.torch.cache import KVCache
@@ -21,7 +22,7 @@ from assistgen.backends.torch.quantize import quantize
 from assistgen.backends.torch.transforms import tune_routes
 from assistgen.config import GenerationConfig
 from assistgen.core.engine import begin, step
-from assistgen.core.sampling import Sampler, verify_speculative
+from assistgen.core.sampling import Sampler
 from assistgen.drafters.lookup import PromptLookupDrafter
 from assistgen.policy.adaptive import Adaptive
 from assistgen.policy.rules import Constant

@@ -4,7 +4,7 @@ transformers' own `generate`, seeded sampling, early exit, the universal pair.
 Skipped where there is no CUDA device. `benchmarks/gpu.sh` runs it where the embedded models' packages are
 installed (the offline GPU machine has no room for their weights: `tests/backends/test_cuda.py` runs there on tiny
 models). Greedy outputs are compared token for token; a difference is accepted only at a floating-point near-tie
-of the target's logits (`assistgen.core.exactness`), with a margin that fits the dtype.
+of the target's logits (`first_divergence`, tests/reference.py), with a margin that fits the dtype.
 """
 
 from __future__ import annotations

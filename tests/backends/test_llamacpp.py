@@ -11,6 +11,7 @@ import struct
 import pytest
 import torch
 from helpers import start_serve_command
+from reference import first_divergence
 
 from assistgen import ConfigError, ModelLoadError, generate, load_model, stream
 from assistgen.api import encode_prompt
@@ -19,7 +20,6 @@ from assistgen.backends.llamacpp.model import LlamaCapacityError, LlamaModel
 from assistgen.backends.loader import LoadSettings, choose_backend
 from assistgen.cli.main import main
 from assistgen.config import GenerationConfig
-from assistgen.core.exactness import first_divergence
 from assistgen.policy.rules import Constant
 from assistgen.serving.batching import BatchEngine
 

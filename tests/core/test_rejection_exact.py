@@ -22,12 +22,12 @@ import pytest
 import torch
 from helpers import broken_residual_from_p, char_tokenizer, small_tokenizer, tiny_llama
 from mixed_tokenizers import tiny_model
+from reference import verify, verify_speculative
+from reference import verify_speculative as correct_verify
 
 from assistgen.config import GenerationConfig, Structure
 from assistgen.core.constraint import Constraint
-from assistgen.core.engine import verify
-from assistgen.core.sampling import Sampler, verify_speculative
-from assistgen.core.sampling import verify_speculative as correct_verify
+from assistgen.core.sampling import Sampler
 from assistgen.drafters.assistant import AssistantDrafter
 from assistgen.drafters.early_exit import EarlyExitDrafter
 from assistgen.drafters.lookup import PromptLookupDrafter

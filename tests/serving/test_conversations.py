@@ -15,7 +15,8 @@ import torch
 from helpers import assert_exact_or_near_tie, start_serve_command, tiny_llama
 
 from assistgen import ConfigError, Constant, Conversation, PrefixCache, Session, generate, load_model
-from assistgen.api import default_schedule, encode_chat, make_drafter
+from assistgen.api import default_schedule, make_drafter
+from assistgen.chat.templates import encode_chat
 from assistgen.config import GenerationConfig
 from assistgen.core.prefix import check_capacity
 from assistgen.serving.batching import BatchEngine, EngineSettings

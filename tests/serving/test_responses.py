@@ -1,4 +1,4 @@
-"""POST /v1/responses (`serving/responses.py`): the events of a reply read from steps of 1 to 17 accepted tokens add
+"""POST /v1/responses (`wire/responses.py`): the events of a reply read from steps of 1 to 17 accepted tokens add
 up to its whole items; the real server (SmolLM2 on llama.cpp, prompt lookup, a Hermes-style template with tools)
 spoken to with the official openai client: text, instructions, max_output_tokens, streamed events in OpenAI's order,
 the same greedy text as chat completions, function tools with calls valid for their schema, a tool's output continuing
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
 from assistgen import load_model
-from assistgen.core.tools import HERMES
-from assistgen.serving.responses import Reply, ResponsesRequest
+from assistgen.chat.syntax import HERMES
+from assistgen.serving.wire.responses import Reply, ResponsesRequest
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city.",
            "parameters": {"type": "object", "properties": {

@@ -195,7 +195,9 @@ def test_max_completion_tokens_bounds_a_chat_reply(live):
 def test_fields_the_server_does_not_do_are_refused_by_name_unless_off(live):
     """Every field of `REFUSED`, on the endpoint that defines it: a value that asks for it is a 400 naming it; its
     "off" values are accepted (clients send defaults)."""
-    from assistgen.serving.protocol import REFUSED, ChatRequest, CompletionRequest
+    from assistgen.serving.wire.chat import ChatRequest
+    from assistgen.serving.wire.common import REFUSED
+    from assistgen.serving.wire.completions import CompletionRequest
 
     CHAT_ONLY = set(ChatRequest.model_fields) - set(CompletionRequest.model_fields)
     COMPLETION_ONLY = set(CompletionRequest.model_fields) - set(ChatRequest.model_fields)
@@ -391,7 +393,9 @@ def test_the_readme_lists_every_request_field():
     import re
     from pathlib import Path
 
-    from assistgen.serving.protocol import NO_EFFECT, REFUSED, ChatRequest, CompletionRequest, Message
+    from assistgen.serving.wire.chat import ChatRequest, Message
+    from assistgen.serving.wire.common import NO_EFFECT, REFUSED
+    from assistgen.serving.wire.completions import CompletionRequest
 
     readme = Path(__file__).resolve().parents[2].joinpath("README.md").read_text()
     table = readme[readme.index("### Request fields"):]
@@ -415,7 +419,7 @@ ASKING = {
     "guided_grammar": 'root ::= "ok"',
 }
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # sent to a server whose template renders tools:
-# tests/core/test_tools.py (SmolLM2's own template renders none)
+# tests/chat/test_tools.py (SmolLM2's own template renders none)
 EFFECT = {  # what a reply shows for a field that is honoured (choice -> bool)
     "response_format": lambda c: c["message"]["content"].startswith("{"),
     "structured_outputs": lambda c: (c.get("text") or c.get("message", {}).get("content", "")).isdigit(),
@@ -433,7 +437,9 @@ def test_each_documented_field_is_sent_and_does_what_the_readme_says(live):
     import re
     from pathlib import Path
 
-    from assistgen.serving.protocol import REFUSED, ChatRequest, CompletionRequest
+    from assistgen.serving.wire.chat import ChatRequest
+    from assistgen.serving.wire.common import REFUSED
+    from assistgen.serving.wire.completions import CompletionRequest
 
     readme = Path(__file__).resolve().parents[2].joinpath("README.md").read_text()
     rows = dict(re.findall(r"^\| `([a-z_]+)` \| ([^|]+) \|", readme[readme.index("### Request fields"):], re.M))

@@ -8,7 +8,8 @@ an unknown option raises `ModelLoadError` listing each backend's. llama.cpp's ow
 context, sequences, threads, repack, flash_attention, exact_prompts, ...) are kept as given, in `llama`. `given`
 names every option set (not None), so that the loader refuses an option of the other backend (`backends.loader`)
 instead of dropping it; None is "the backend's default" and counts as not given. One object loads any number of
-models; a changed budget is `with_budget` (the assistant's share of `--max-memory`). Nothing below the loader
+models; a changed budget is `with_budget` (the assistant's share of `--max-memory`), added llama.cpp options
+`with_llama`. Nothing below the loader
 parses an option again.
 """
 
@@ -72,6 +73,11 @@ class LoadSettings:
 
     def with_budget(self, max_memory: int | None) -> LoadSettings:
         return replace(self, max_memory=max_memory)
+
+    def with_llama(self, **options) -> LoadSettings:
+        """The same settings with these llama.cpp options set too (options a command adds once the backend is
+        known, e.g. a server's cells for kept prefixes), checked as any."""
+        return replace(self, llama=tuple({**dict(self.llama), **options}.items()))
 
     def on_cpu(self) -> bool:
         return self.device is None or self.device == "cpu"

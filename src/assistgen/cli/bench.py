@@ -16,13 +16,13 @@ from assistgen.api import load_model
 from assistgen.bench.dataset import default_suite, extraction_suite, read_prompts, select
 from assistgen.bench.report import aggregate, format_table, plot
 from assistgen.bench.runner import HF_METHODS, SOURCES, Method, Runner, run_bench, terminal_progress
-from assistgen.cli.options import add_placement, load_target_and_assistant, placement, structure_from
+from assistgen.cli.options import add_model, add_placement, load_target_and_assistant, placement, structure_from
 from assistgen.cli.schedule import parse_schedule
 from assistgen.policy.costs import pass_costs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", default="smollm2-135m", help="target: alias, hub id, folder or .gguf")
+    add_model(p, help="target: alias, hub id, folder or .gguf")
     p.add_argument("--assistant", "-a", help="assistant model (any tokenizer) for the assistant methods")
     p.add_argument("--methods", help="comma-separated: plain; lookup, ngram, assistant, early-exit or several "
                                      "joined by + (cheapest first), each optionally @schedule; hf-plain, hf-lookup, "

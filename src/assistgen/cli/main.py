@@ -12,18 +12,20 @@ import argparse
 import json
 import sys
 
-from assistgen.api import stream, use_chat_template
+from assistgen.api import stream
 from assistgen.backends.embedded import EMBEDDED, ModelLoadError, is_installed
+from assistgen.backends.settings import LoadSettings
 from assistgen.backends.torch.loading import converted_dir, is_cached
 from assistgen.bench.dataset import DatasetError
+from assistgen.chat.templates import read_chat_template, use_chat_template
 from assistgen.cli import serve_speech
 from assistgen.cli.options import (
+    add_model,
     add_placement,
     add_quantize,
     add_structure,
     load_settings,
     load_target_and_assistant,
-    loading,
     settings_from,
 )
 from assistgen.cli.schedule import parse_schedule
@@ -44,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text, streaming it, then print statistics")
     gen.add_argument("prompt", help="the prompt text ('-' reads it from standard input)")
-    gen.add_argument("--model", "-m", default="smollm2-135m", help="alias, hub id, local folder or .gguf file")
+    add_model(gen)
     gen.add_argument("--lookup", action="store_true", help="prompt-lookup drafting (no second model)")
     gen.add_argument("--suffix", action="store_true",
                      help="suffix drafting: the longest earlier match of the text's tail, continued by what most "
@@ -82,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print it as one JSON object")
 
     cal = sub.add_parser("calibrate", help="show (or measure again) a model's verification costs and linear routes")
-    cal.add_argument("--model", "-m", default="smollm2-135m", help="alias, hub id, local folder or .gguf file")
+    add_model(cal)
     cal.add_argument("--refresh", action="store_true", help="measure again instead of reading the cached figures")
     add_quantize(cal)
     add_placement(cal)
@@ -105,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_serve(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", default="smollm2-135m", help="alias, hub id, local folder or .gguf file")
+    add_model(p)
     p.add_argument("--lookup", action="store_true", help="prompt-lookup drafting (no second model)")
     p.add_argument("--suffix", action="store_true",
                    help="suffix drafting: the longest earlier match of the text's tail, in the request and in the "
@@ -249,7 +251,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     template = chat_template_text(args)
     settings = ServerSettings(model_name=args.model, ngram_cache=args.ngram_cache, suffix=args.suffix,
                               share_prefix_cache=args.share_prefix_cache, **serve_speech.limits(args))
-    target, assistant = load_target_and_assistant(args, serving_loading(args), calibration="later")
+    target, assistant = load_target_and_assistant(args, serving_settings(args), calibration="later")
     if template is not None:
         use_chat_template(target, template)
     drafters = drafter_factory(target, assistant, args.lookup, args.early_exit or False, suffix=args.suffix)
@@ -261,8 +263,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def chat_template_text(args: argparse.Namespace) -> str | None:
     """--chat-template's text (None: the model's own), read and checked before any model loads."""
-    from assistgen.api import read_chat_template
-
     return None if getattr(args, "chat_template", None) is None else read_chat_template(args.chat_template)
 
 
@@ -273,18 +273,20 @@ def prefix_bytes(args: argparse.Namespace) -> int | None:
     return None if args.prefix_cache is None else parse_budget(args.prefix_cache, "--prefix-cache", zero=True)
 
 
-def serving_loading(args: argparse.Namespace) -> dict:
-    """The target's loading options a server adds: on llama.cpp, cells for the prefix cache beside the context and
-    prompts on the row-exact kernels (unless --fast-prompts), so that a kept prefix holds what a fresh feed would."""
+def serving_settings(args: argparse.Namespace) -> LoadSettings:
+    """The server's target's loading settings, the options parsed once: on llama.cpp with the options a server adds,
+    cells for the prefix cache beside the context and prompts on the row-exact kernels (unless --fast-prompts), so
+    that a kept prefix holds what a fresh feed would."""
     from assistgen.backends.loader import choose_backend
 
-    if choose_backend(args.model, load_settings(args)) != "llama.cpp":
+    settings = load_settings(args)
+    if choose_backend(args.model, settings) != "llama.cpp":
         if args.fast_prompts:
             raise ConfigError("--fast-prompts chooses llama.cpp's prompt kernels: it needs --backend llama.cpp "
                               "(a GGUF model).")
-        return {}
+        return settings
     given = prefix_bytes(args)
-    return {"kept_bytes": "auto" if given is None else given, "exact_prompts": not args.fast_prompts}
+    return settings.with_llama(kept_bytes="auto" if given is None else given, exact_prompts=not args.fast_prompts)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -297,8 +299,9 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     """`assistgen serve --replicas N`: the same server as N Ray Serve replicas (`serving/ray.py`)."""
     from assistgen.serving.ray import ReplicaOptions, ReplicaSpec, run
 
-    spec = ReplicaSpec(args.model, {**loading(args), **serving_loading(args)}, args.assistant,
-                       loading(args, assistant=True) if args.assistant else {}, args.lookup, args.early_exit or False,
+    spec = ReplicaSpec(args.model, {"settings": serving_settings(args)}, args.assistant,
+                       {"settings": load_settings(args, assistant=True)} if args.assistant else {}, args.lookup,
+                       args.early_exit or False,
                        args.schedule, engine_options(args), args.ngram_cache,
                        share_prefix_cache=args.share_prefix_cache, suffix=args.suffix,
                        chat_template=chat_template_text(args))

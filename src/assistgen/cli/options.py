@@ -1,10 +1,11 @@
-"""Command-line options shared by the commands: where models run and how they are loaded.
+"""Command-line options shared by the commands: which model, where models run and how they are loaded.
 
-Contract: `add_quantize` and `add_placement` declare --quantize, --backend, --assistant-backend, --device,
---dtype, --context, --sequences, --max-memory and --no-repack on a parser; `placement` and `loading` turn the parsed
-values into the keyword arguments `assistgen.load_model` takes (only those given: no default is re-declared here, and
-an option of the other backend is refused by the loader, not dropped), `load_settings` into the `LoadSettings` they
-parse to (once); `load_target_and_assistant` loads a command's
+Contract: `add_model` declares --model with its one default (`DEFAULT_MODEL`); `add_quantize` and `add_placement`
+declare --quantize, --backend, --assistant-backend, --device, --dtype, --context, --sequences, --max-memory and
+--no-repack on a parser; `placement` turns the parsed values into the keyword arguments `assistgen.load_model` takes
+(only those given: no loading default is re-declared here, and an option of the other backend is refused by the
+loader, not dropped), `load_settings` into the `LoadSettings` they parse to, once per model a command loads;
+`load_target_and_assistant` loads a command's
 pair, splitting --max-memory between them (the assistant resident, the target streamed); `settings_from` gives the
 generation settings a command was given, with the output's structure (`add_structure`: --json-schema, --json,
 --regex, --grammar; files read here, so that a missing or malformed one is an error naming it).
@@ -19,6 +20,12 @@ from pathlib import Path
 from assistgen.backends.settings import BACKENDS, DTYPES, LoadSettings
 from assistgen.backends.torch.quantize import SCHEMES
 from assistgen.config import ConfigError, Structure
+
+DEFAULT_MODEL = "smollm2-135m"  # the text model a command loads without --model
+
+
+def add_model(p: argparse.ArgumentParser, help: str = "alias, hub id, local folder or .gguf file") -> None:
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL, help=help)
 
 
 def add_quantize(p: argparse.ArgumentParser) -> None:
@@ -70,35 +77,26 @@ def placement(args: argparse.Namespace, assistant: bool = False) -> dict:
     return out
 
 
-def loading(args: argparse.Namespace, assistant: bool = False) -> dict:
-    """load_model's keyword arguments from --quantize, --no-fast-linear (where the command has it) and placement
-    (the assistant's with `assistant`)."""
-    out = {**placement(args, assistant)}
-    if args.quantize:
-        out["quantize"] = args.quantize
-    if getattr(args, "no_fast_linear", False):
-        out["fast_linear"] = False
-    return out
-
-
-def load_settings(args: argparse.Namespace, assistant: bool = False, extra: dict | None = None) -> LoadSettings:
-    """The command's loading options parsed, once, into `LoadSettings` (`extra`: options a command adds)."""
-    given = {**placement(args, assistant), **(extra or {})}
+def load_settings(args: argparse.Namespace, assistant: bool = False) -> LoadSettings:
+    """The command's loading options parsed, once, into `LoadSettings` (the assistant's with `assistant`)."""
+    given = placement(args, assistant)
     if args.quantize:
         given["quantize"] = args.quantize
     return LoadSettings.parse(given.pop("backend"), **given)
 
 
-def load_target_and_assistant(args: argparse.Namespace, extra: dict | None = None, calibration: str = "now") -> tuple:
+def load_target_and_assistant(args: argparse.Namespace, target: LoadSettings | None = None,
+                              calibration: str = "now") -> tuple:
     """A command's target and its assistant (None without --assistant), their costs measured now or later
-    (`api.prepare`). With --max-memory the assistant is loaded first and stays resident: what it added (its
-    anonymous memory and the file pages it maps, measured after its load's passes) is taken from the budget, and the
-    target gets the rest."""
+    (`api.prepare`); `target`: the target's settings when the command has parsed them already (a server's, with
+    its own options: `cli.main.serving_settings`), else `load_settings(args)`. With --max-memory the assistant is
+    loaded first and stays resident: what it added (its anonymous memory and the file pages it maps, measured after
+    its load's passes) is taken from the budget, and the target gets the rest."""
     from assistgen import load_model
     from assistgen.backends.budget import megabytes, resident
     from assistgen.backends.embedded import say
 
-    target = load_settings(args, extra=extra)  # (`extra`: the target's options a command adds)
+    target = load_settings(args) if target is None else target
     fast = {"fast_linear": False} if getattr(args, "no_fast_linear", False) else {}
     if not args.assistant:
         return load_model(args.model, settings=target, calibration=calibration, **fast), None

@@ -280,19 +280,6 @@ def accept(p: Planned, logits, verdict: Verdict, verify_s: float, losers: list[S
     return Chunk(new, s.text.delta(final=finish is not None), finish, s.stats, logprobs, prompt_logprobs)
 
 
-def verify(logits, draft, n: int, sampler: Sampler, forbidden: int | None = None):
-    """Judge the first n draft tokens against the target's logits [n+1, vocab] over [last token, d_1..d_n] (one
-    generation's `verify_all`); `forbidden`: draft token n + 1, which the grammar rejects (None: none follows, or it
-    is not judged).
-
-    Returns (accepted draft tokens, next token, p [n+1, vocab] when sampling else None).
-    """
-    rows = n + (forbidden is not None)  # q's rows for the judged tokens
-    q = None if draft.probs is None or sampler.greedy else draft.probs[:rows]
-    verdict = verify_all([Verification(logits, draft.tokens[:n], sampler, q, forbidden)])[0]
-    return verdict.accepted, verdict.token, verdict.p
-
-
 def apply_stops(
     new: list[int], generated: int, config: GenerationConfig, eos: set[int], text: TextStream
 ) -> tuple[list[int], str | None]:

@@ -10,7 +10,11 @@ Vocabulary (as in Leviathan et al. 2023 and vLLM's rejection sampler):
 Each verification step therefore emits accepted + 1 tokens.
 
 Contract: pure functions of tensors plus the generation's `spec.sampling.Sampler` (temperature, top-k, top-p
-and the seeded generators); greedy is its own explicit branch (argmax), never a small temperature. Draws
+and the seeded generators); greedy is its own explicit branch (argmax), never a small temperature. Speculative
+sampling (Leviathan et al. 2023, Algorithm 1) is in pieces: the draft tokens' p and q (`draft_probabilities`), the
+accepted prefix (`accepted_count`: one uniform per token until the first rejection) and what the next token is drawn
+from (`stop_distribution`: the residual at a rejection, else the bonus distribution); `core.verify` puts them
+together for a whole batch. Draws
 happen on the device of the probabilities given (the target's, for p; q is moved there when a drafter runs
 elsewhere). Nothing here knows about models or caches.
 """
@@ -39,27 +43,6 @@ def greedy_accepted(choice: list[int], draft: list[int]) -> int:
     while accepted < len(draft) and draft[accepted] == choice[accepted]:
         accepted += 1
     return accepted
-
-
-def verify_speculative(
-    p: torch.Tensor, q: torch.Tensor | None, draft: list[int], sampler: Sampler, rejected: int | None = None
-) -> tuple[int, int]:
-    """Speculative sampling, Leviathan et al. 2023, Algorithm 1.
-
-    p: [k+1, vocab] target probabilities; q: [k, vocab] draft probabilities (moved to p's device if
-    the drafter runs on another one), or None for a drafter without probabilities (then q is one-hot
-    on each draft token, which is the same as sampling y ~ p and accepting the draft token only if y
-    equals it).
-    Accept draft token x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection
-    draw the recovered token from norm(max(p_i - q_i, 0)); if all are accepted draw a bonus from p_k, or,
-    when `rejected` names a next draft token known to be rejected (p_k gives it 0: a grammar forbids it),
-    the recovered token at k from norm(max(p_k - q_k, 0)) (q then has k+1 rows).
-    """
-    if q is not None:
-        q = q.to(p.device)  # the same tensor when it is already there
-    p_x, q_x = draft_probabilities(p, q, draft)
-    accepted, _ = accepted_count(p_x.tolist(), q_x.tolist(), sampler)
-    return accepted, sampler.draw(stop_distribution(p, q, draft, accepted, rejected))
 
 
 def draft_probabilities(p: torch.Tensor, q: torch.Tensor | None, draft: list[int]):

@@ -5,7 +5,7 @@ masked by its grammar where it has one; its n draft tokens; its sampler; its dra
 them) by the rules of `sampling.py` and returns a `Verdict` each: accepted draft tokens, the next token, and p
 [n+1, vocab] when sampling. Everything a verdict depends on is computed on the device first (each greedy row's
 argmax; each sampled draft token's p and q) and read to the host in one transfer (`to_host`), where the acceptance
-decisions are taken, drawing the uniforms of the CPU generator in the order `verify_speculative` draws them. The token
+decisions are taken, drawing the uniforms of the CPU generator in Algorithm 1's order (`accepted_count`). The token
 a sampled generation draws where it stops is drawn after that read, from the one position it stopped at, except with
 `EAGER` (default: on a device other than the CPU, where each read waits for the device): then a token is drawn
 beforehand at every position it could stop at, each from the generator state the lazy draw would have used, and read

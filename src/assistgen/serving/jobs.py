@@ -15,23 +15,18 @@ from dataclasses import dataclass, field
 
 from fastapi import Request as HTTPRequest
 
+from assistgen.chat.syntax import CallSyntax
 from assistgen.config import ConfigError, GenerationConfig, Structure
 from assistgen.core.admission import Admission, PromptError
 from assistgen.core.logprobs import TokenLogprob
 from assistgen.core.state import Chunk
-from assistgen.core.tools import (
-    CallSyntax,
-)
 from assistgen.drafters.ngram import NGramCache
 from assistgen.serving.app_state import AppState
 from assistgen.serving.batching import QueueFull, Request
 from assistgen.serving.metrics import spec_decode_metrics
-from assistgen.serving.protocol import (
-    FINISH_REASONS,
-    APIError,
-    Sampling,
-    generation_config,
-)
+from assistgen.serving.wire.common import FINISH_REASONS, Sampling
+from assistgen.serving.wire.errors import APIError
+from assistgen.serving.wire.generation import generation_config
 from assistgen.spec.drafts import Drafter
 from assistgen.stats import Stats
 

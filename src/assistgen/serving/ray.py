@@ -152,7 +152,8 @@ async def call_app(app, method: str, path: str, headers: list[tuple[str, str]], 
 
 def build_server(spec: ReplicaSpec):
     """The single-process server's app and engine for a replica (the model loaded here)."""
-    from assistgen.api import as_schedule, default_schedule, drafter_factory, load_model, use_chat_template
+    from assistgen.api import as_schedule, default_schedule, drafter_factory, load_model
+    from assistgen.chat.templates import use_chat_template
     from assistgen.serving.batching import BatchEngine, EngineSettings
     from assistgen.serving.server import ServerSettings, create_app
 
@@ -177,7 +178,7 @@ def deployments(options: ReplicaOptions):
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from ray import serve
 
-    from assistgen.serving.protocol import error_body
+    from assistgen.serving.wire.errors import error_body
 
     @serve.deployment(**options.deployment_options())
     class Replica:
@@ -266,7 +267,7 @@ async def relay(stream) -> AsyncIterator[bytes]:
     """A replica's body chunks; a replica that dies mid-stream ends it with an error event and [DONE]."""
     import json
 
-    from assistgen.serving.protocol import error_body
+    from assistgen.serving.wire.errors import error_body
 
     try:
         async for chunk in stream:

@@ -1,7 +1,7 @@
 """Answers in OpenAI's shapes from finished or running jobs: `respond` (one JSON body, or server-sent events with
-`stream: true`), the chat message with its tool calls (`tool_message`, read from the text in the call syntax of
-`core.tools`; `CallStream` while streaming: text until a call starts, then the call's arguments as they come), the
-log-probabilities of chat and completions, and `sse` (one event)."""
+`stream: true`; the log-probabilities in `wire.chat`'s and `wire.completions`' shapes), the chat message with its
+tool calls (`tool_message`, read from the text in the call syntax of `chat.parser`; `CallStream` while streaming:
+text until a call starts, then the call's arguments as they come), and `sse` (one event)."""
 
 from __future__ import annotations
 
@@ -15,23 +15,15 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from assistgen.core.logprobs import TokenLogprob
+from assistgen.chat.parser import CallParser, CallStart, Content, parse_calls
 from assistgen.core.state import Chunk
-from assistgen.core.tools import (
-    CallParser,
-    CallStart,
-    Content,
-    parse_calls,
-)
 from assistgen.serving.app_state import AppState
 from assistgen.serving.jobs import Job, cancel_when_gone, failure, merged, reply_metrics, usage
 from assistgen.serving.metrics import spec_decode_metrics
-from assistgen.serving.protocol import (
-    FINISH_REASONS,
-    Sampling,
-    error_body,
-    new_id,
-)
+from assistgen.serving.wire.chat import chat_logprobs
+from assistgen.serving.wire.common import FINISH_REASONS, Sampling, new_id
+from assistgen.serving.wire.completions import completion_logprobs
+from assistgen.serving.wire.errors import error_body
 
 
 async def respond(state: AppState, body: Sampling, jobs: list[Job], chat: bool, http: HTTPRequest,
@@ -181,45 +173,6 @@ class CallStream:
             return {"tool_calls": [{"index": event.index, "id": new_id("call"), "type": "function",
                                     "function": {"name": event.name, "arguments": ""}}]}
         return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
-
-
-def token_text(tokenizer, token: int) -> str:
-    return tokenizer.decode([token])
-
-
-def chat_logprobs(tokenizer, logprobs: list[TokenLogprob]) -> dict:
-    """A chat choice's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}."""
-    def entry(token: int, logprob: float) -> dict:
-        text = token_text(tokenizer, token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-                        for lp in logprobs], "refusal": None}
-
-
-def completion_logprobs(tokenizer, logprobs: list[TokenLogprob], offset: int,
-                        echoed: tuple[list[int], list[TokenLogprob] | None] | None = None) -> dict:
-    """A completion choice's `logprobs` ({tokens, token_logprobs, top_logprobs, text_offset}) for these tokens,
-    whose text starts at character `offset`; `echoed`: the prompt's ids and logprobs, listed first (its first
-    token has none)."""
-    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-
-    def add(token: int, logprob: float | None, top: dict | None) -> None:
-        nonlocal offset
-        text = token_text(tokenizer, token)
-        out["tokens"].append(text)
-        out["token_logprobs"].append(logprob)
-        out["top_logprobs"].append(top)
-        out["text_offset"].append(offset)
-        offset += len(text)
-
-    if echoed is not None:
-        ids, prompt = echoed
-        add(ids[0], None, None)
-        logprobs = (prompt or []) + logprobs
-    for lp in logprobs:
-        add(lp.token, lp.logprob, {token_text(tokenizer, t): v for t, v in lp.top})
-    return out
 
 
 def sse(payload: Any) -> str:

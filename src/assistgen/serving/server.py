@@ -2,14 +2,14 @@
 
 Contract: `create_app(engine, settings, make_drafter)` builds a FastAPI app (no model loading: tests pass
 a loaded model's engine) serving `POST /v1/completions`, `POST /v1/chat/completions` (both with
-`stream: true` as server-sent events), `POST /v1/responses` (the Responses API, `responses.py`; tool calls on
-chat and responses: `core.tools`), `POST /v1/audio/transcriptions` (`transcriptions.py`, with the speech model given
+`stream: true` as server-sent events), `POST /v1/responses` (the Responses API, `wire/responses.py`; tool calls on
+chat and responses: the `chat` layer), `POST /v1/audio/transcriptions` (`transcriptions.py`, with the speech model given
 as `create_app(..., speech=SpeechService(...))`; without one it answers 404 saying how to serve one), `GET
 /v1/models` (the speech model listed too), `GET /v1/models/{id}`, `GET /health` and `GET /metrics` (Prometheus text
 from the app's own registry, `metrics.py`). The handlers are module-level functions over the app's `AppState`
 (`app_state.py`: engine, settings, metrics, the speech model, whether it is closing); a request's way through the
-engine is `jobs.py`, the answers' OpenAI shapes `replies.py`. Every request is
-checked in full before it reaches the engine (`protocol.py`, then the engine's admission on the handler's thread:
+engine is `jobs.py`, its answers `replies.py` (in the shapes of `wire/`). Every request is
+checked in full before it reaches the engine (`wire/`, then the engine's admission on the handler's thread:
 the prompt against the context, the grammar compiled, `BatchEngine.admit`): each field OpenAI's API defines is
 honoured or, where this server does not do it, refused unless left at its "off" value; a prompt plus the new tokens
 asked for must fit the context. A completion request with several prompts runs them as separate engine requests,
@@ -41,34 +41,25 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from assistgen.api import encode_chat, encode_prompt
+from assistgen.api import encode_prompt
+from assistgen.chat.grammar import ToolSchemaError, call_structure
+from assistgen.chat.syntax import CallSyntax, call_syntax
+from assistgen.chat.templates import encode_chat
 from assistgen.config import ConfigError, Structure
-from assistgen.core.tools import (
-    CallSyntax,
-    ToolSchemaError,
-    call_structure,
-    call_syntax,
-)
 from assistgen.policy.costs import costs_state
 from assistgen.serving.app_state import AppState, ServerSettings, state_of
 from assistgen.serving.batching import BatchEngine
 from assistgen.serving.jobs import Job, check_model, encoded, failure, merged, reply_metrics, submit
 from assistgen.serving.metrics import Metrics
-from assistgen.serving.protocol import (
-    APIError,
-    ChatRequest,
-    CompletionRequest,
-    ToolPlan,
-    completion_prompts,
-    install_error_handlers,
-    message_dicts,
-    refuse_unsupported,
-    tool_plan,
-)
 from assistgen.serving.replies import finished, respond
-from assistgen.serving.responses import RESPONSES_REFUSED, Reply, ResponsesRequest
 from assistgen.serving.speech_service import SpeechService
 from assistgen.serving.transcriptions import openapi_form, transcriptions
+from assistgen.serving.wire.chat import ChatRequest, message_dicts
+from assistgen.serving.wire.common import refuse_unsupported
+from assistgen.serving.wire.completions import CompletionRequest, completion_prompts
+from assistgen.serving.wire.errors import APIError, install_error_handlers
+from assistgen.serving.wire.responses import RESPONSES_REFUSED, Reply, ResponsesRequest
+from assistgen.serving.wire.tools import ToolPlan, tool_plan
 from assistgen.spec.drafts import Drafter
 
 # --- the endpoints ------------------------------------------------------------------------------------------

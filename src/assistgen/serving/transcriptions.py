@@ -39,8 +39,8 @@ from starlette.requests import ClientDisconnect
 
 from assistgen.config import Cancelled, ConfigError
 from assistgen.serving.app_state import AppState, state_of
-from assistgen.serving.protocol import APIError
 from assistgen.serving.speech_service import ALIASES, Busy, SpeechService
+from assistgen.serving.wire.errors import APIError
 from assistgen.speech.audio import FORMATS as AUDIO_FORMATS
 from assistgen.speech.audio import AudioError, read_audio
 from assistgen.speech.transcribe import Transcription

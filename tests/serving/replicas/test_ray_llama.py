@@ -13,7 +13,7 @@ import pytest
 from helpers import free_port
 
 from assistgen import Constant, generate, load_model
-from assistgen.api import encode_chat
+from assistgen.chat.templates import encode_chat
 from assistgen.serving.ray import ReplicaOptions, ReplicaSpec, start, stop
 
 NAME = "smollm2-135m"

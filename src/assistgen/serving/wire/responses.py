@@ -6,7 +6,7 @@ function_call_output items), `instructions`, `max_output_tokens`, `temperature`,
 `response_format`), flat function `tools`, `tool_choice`, `parallel_tool_calls`; `messages()` gives the chat
 messages the model's template renders, `chat_tools()` the tools in chat's shape. Fields this server does not do are
 in `RESPONSES_REFUSED` (a 400 naming the field unless "off", as on the other endpoints). `Reply` follows one
-generation's chunks (text read in its tool-call syntax, `core.tools.CallParser`, or plain text without tools) and
+generation's chunks (text read in its tool-call syntax, `chat.parser.CallParser`, or plain text without tools) and
 gives the events OpenAI streams (`response.created`, `response.in_progress`, `response.output_item.added`,
 `response.content_part.added`, `response.output_text.delta`, `response.function_call_arguments.delta` and their
 `.done` events, then `response.completed`, or `response.incomplete` when the reply ran out of tokens or was
@@ -23,12 +23,15 @@ from typing import Any
 
 from pydantic import Field
 
-from assistgen.core.tools import Arguments, CallParser, CallStart, CallSyntax, Content
-from assistgen.serving.protocol import APIError, Message, Sampling, call_dict, message_dicts, new_id
+from assistgen.chat.parser import Arguments, CallParser, CallStart, Content
+from assistgen.chat.syntax import CallSyntax
+from assistgen.serving.wire.chat import Message, call_dict, message_dicts
+from assistgen.serving.wire.common import Sampling, new_id
+from assistgen.serving.wire.errors import APIError
 
 # --- the request ---------------------------------------------------------------------------------------------
 
-# Fields of POST /v1/responses this server does not do, accepted only at their "off" values (as protocol.REFUSED,
+# Fields of POST /v1/responses this server does not do, accepted only at their "off" values (as common.REFUSED,
 # which is checked too: penalties, store, service_tier). metadata, user, safety_identifier and prompt_cache_key
 # change no reply (prefixes are kept per API key whatever the cache key) and are accepted.
 RESPONSES_REFUSED: dict[str, tuple[tuple, str]] = {

@@ -1,4 +1,4 @@
-"""Tool calls: the call syntax read back from text split into steps of any size (`core.tools`, the server's
+"""Tool calls: the call syntax read back from text split into steps of any size (`chat.parser`, the server's
 `CallStream`), calls valid by construction under speculation on the real SmolLM2 (given a Hermes-style template
 with tools, as `--chat-template` gives one), and the server's `tools`, `tool_choice` and `parallel_tool_calls`
 spoken to with the official openai client, errors included."""
@@ -16,9 +16,12 @@ from helpers import TOOLS_TEMPLATE, assert_400, fuzz_for_5xx, openai_client, ser
 from hypothesis import strategies as st
 
 from assistgen import Constant, generate, load_model
-from assistgen.api import encode_chat, use_chat_template
+from assistgen.chat.grammar import call_structure
+from assistgen.chat.parser import parse_calls
+from assistgen.chat.syntax import HERMES, call_syntax
+from assistgen.chat.templates import encode_chat, use_chat_template
+from assistgen.chat.tools import Tool
 from assistgen.core.state import Chunk
-from assistgen.core.tools import HERMES, Tool, call_structure, call_syntax, parse_calls
 from assistgen.serving.jobs import Job
 from assistgen.serving.replies import CallStream, tool_message
 

@@ -1,0 +1,79 @@
+"""The grammar that makes every tool call valid by construction.
+
+Contract: `call_structure(syntax, tools, choice, parallel)` is the `config.Structure` (a Lark grammar with lazy
+triggers) under which every call the model writes is one of `tools` (`chat.tools.Tool`) with arguments valid for
+that tool's parameter schema (laid out as templates render arguments), named by the tool's place when it does not
+compile (`ToolSchemaError`): with `choice="auto"` text is free until the model opens a call in one of the syntax's
+forms (`chat.syntax`); "required" and a tool's name make the output calls only, in the template's form;
+`parallel=False` ends it after the first call. Each tool's schema is checked here (llguidance validates it); the
+whole grammar is compiled by the loop (`core.constraint`), as any structure is.
+"""
+
+from __future__ import annotations
+
+import json
+
+from assistgen.chat.syntax import CallSyntax
+from assistgen.chat.tools import Tool
+from assistgen.config import ConfigError, Structure
+from assistgen.core.constraint import error_line, json_grammar, llguidance
+
+
+class ToolSchemaError(ConfigError):
+    """A tool whose parameter schema does not compile; `index`: its place among the tools."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(message)
+        self.index = index
+
+
+def arguments_grammar(tool: Tool, index: int) -> str:
+    """The grammar of the tool's arguments (a Lark `%json` reference): its parameter schema, laid out with ", " and
+    ": " as chat templates render arguments (`tojson`), no other whitespace."""
+    llg = llguidance()
+    try:
+        grammar = json_grammar(tool.parameters)
+        error = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_lark(f"start: {grammar}"))
+    except (ValueError, TypeError) as e:
+        error = str(e)
+    if error:
+        raise ToolSchemaError(index, f"tools[{index}].function.parameters ({tool.name}): the JSON schema does not "
+                              f"compile: {error_line(error)}")
+    return grammar
+
+
+def literal(text: str) -> str:
+    """A Lark string literal (nothing when the text is empty)."""
+    return json.dumps(text) if text else ""
+
+
+def call_structure(syntax: CallSyntax, tools: list[Tool], choice: str = "auto", parallel: bool = True) -> Structure:
+    """The Lark grammar under which the model's calls are `tools`' with valid arguments. choice: "auto" (text, and
+    calls where the model opens one in any of the syntax's forms: a lazy lexeme, free text up to the first trigger),
+    "required" (calls only, at least one, in the template's own form, a newline between two) or a tool's name
+    (calls of that tool only); `parallel=False`: one call at most, and nothing after it."""
+    chosen = [(i, t) for i, t in enumerate(tools) if choice in ("auto", "required") or t.name == choice]
+    if not chosen:
+        raise ConfigError(f"tool_choice names {choice!r}, which is not among the tools.")
+    grammars = {t.name: arguments_grammar(t, i) for i, t in chosen}
+    rules = ["%llguidance {}"]
+    tags = []
+    if choice == "auto":
+        named = syntax.for_tools([t.name for _, t in chosen])
+        triggers = {trigger: f"trigger_{j}" for j, (trigger, _) in enumerate(named.triggers())}
+        rules += [f"{rule}[lazy]: TEXT {literal(trigger)}" for trigger, rule in triggers.items()]
+        for form in syntax.forms:
+            for _, tool in chosen:
+                begin = form.begin(tool.name)
+                trigger = form.trigger(tool.name)  # (a prefix of `begin`)
+                tags.append(f"{triggers[trigger]} {literal(begin[len(trigger):])} {grammars[tool.name]} "
+                            f"{literal(form.tail)}")
+        top = "TEXT | call" if not parallel else "call* TEXT"
+        rules.append("TEXT: /(.|\\n)*/")
+    else:
+        form = syntax.forms[0]
+        tags = [f"{literal(form.begin(t.name))} {grammars[t.name]} {literal(form.tail)}" for _, t in chosen]
+        top = "call" if not parallel else 'call ("\\n" call)*'
+    rules += [f"start: {top}", "call: " + " | ".join(f"call_{i}" for i in range(len(tags)))]
+    rules += [f"call_{i}: {tag}" for i, tag in enumerate(tags)]
+    return Structure("grammar", "\n".join(rules) + "\n")

@@ -1,0 +1,66 @@
+"""A model's chat template: read, put in place, and rendered into a prompt.
+
+Contract: `read_chat_template(template)` is a template's text from a Jinja file's path or the text itself, checked
+to parse (ConfigError otherwise); `use_chat_template(model, template)` is the explicit step that replaces a model's
+template; `encode_chat(model, messages, tools)` renders chat messages (and OpenAI tools, where the template renders
+them: `chat.syntax.call_syntax`) into token ids with the prompt for the assistant's turn, a refusal by the template
+being a ConfigError. Nothing here generates.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jinja2 import TemplateError
+
+from assistgen.backends.base import LanguageModel
+from assistgen.chat.syntax import call_syntax
+from assistgen.config import ConfigError
+
+
+def use_chat_template(model, template: str):
+    """The explicit step that replaces the model's chat template (`read_chat_template`). Returns the model."""
+    model.tokenizer.chat_template = read_chat_template(template)
+    return model
+
+
+def read_chat_template(template: str) -> str:
+    """A chat template's text from a Jinja file's path or the template itself (as transformers' `chat_template`);
+    a missing file or a template that does not parse is a ConfigError."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if not isinstance(template, str) or not template.strip():
+        raise ConfigError("chat template: give a Jinja file's path or the template's text.")
+    looks_like_text = "{%" in template or "{{" in template
+    if not looks_like_text:
+        path = Path(template).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"chat template: {template} is not a file (give a Jinja file's path or the template's "
+                              "text).")
+        template = path.read_text()
+    try:
+        ImmutableSandboxedEnvironment().parse(template)
+    except TemplateSyntaxError as e:
+        raise ConfigError(f"chat template: line {e.lineno}: {e.message}. Fix the template.") from e
+    return template
+
+
+def encode_chat(model: LanguageModel, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Chat messages ({"role", "content"} dicts; an assistant's may carry "tool_calls", a "tool" message answers
+    one) -> token ids through the model's chat template, with the prompt for the assistant's turn appended; `tools`
+    (OpenAI function tools) are rendered by the template too. A model without a template, a template that renders
+    no tools when tools are given, or messages its template refuses, raise `ConfigError`."""
+    tok = model.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise ConfigError(f"{model.name} has no chat template: drop chat=True / --chat.")
+    if tools and call_syntax(tok) is None:
+        raise ConfigError(f"The chat template of {model.name} renders no tools: serve a model whose template does "
+                          "(e.g. qwen2.5-coder-1.5b), or give a template with tools (--chat-template).")
+    try:
+        ids = tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True)
+    except (TemplateError, ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"The chat template of {model.name} refused the messages: {e}") from e
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)

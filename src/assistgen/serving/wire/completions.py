@@ -1,0 +1,66 @@
+"""POST /v1/completions: its body, its prompts and its choices' log-probabilities.
+
+Contract: `CompletionRequest` is the body (a prompt, or several: one choice each; `echo`; `logprobs`: alternatives per
+token); `completion_prompts` gives its prompts (a string, token ids, or a list of either); `completion_logprobs` is a
+choice's `logprobs` as the endpoint answers them ({tokens, token_logprobs, top_logprobs, text_offset}).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from assistgen.config import MAX_LOGPROBS
+from assistgen.core.logprobs import TokenLogprob
+from assistgen.serving.wire.common import Sampling, token_text
+from assistgen.serving.wire.errors import APIError
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, strict=True, ge=0, le=MAX_LOGPROBS)  # alternatives per token
+
+    def asked_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def asked_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+    best_of: Any = None
+    suffix: Any = None
+
+
+def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The prompts of a completion request: a string, token ids, or a list of either (one choice each)."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt: give a prompt (a string, token ids, or a list of them), not an empty list.",
+                       param="prompt")
+    return list(prompt)
+
+
+def completion_logprobs(tokenizer, logprobs: list[TokenLogprob], offset: int,
+                        echoed: tuple[list[int], list[TokenLogprob] | None] | None = None) -> dict:
+    """A completion choice's `logprobs` ({tokens, token_logprobs, top_logprobs, text_offset}) for these tokens,
+    whose text starts at character `offset`; `echoed`: the prompt's ids and logprobs, listed first (its first
+    token has none)."""
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def add(token: int, logprob: float | None, top: dict | None) -> None:
+        nonlocal offset
+        text = token_text(tokenizer, token)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(text)
+
+    if echoed is not None:
+        ids, prompt = echoed
+        add(ids[0], None, None)
+        logprobs = (prompt or []) + logprobs
+    for lp in logprobs:
+        add(lp.token, lp.logprob, {token_text(tokenizer, t): v for t, v in lp.top})
+    return out
