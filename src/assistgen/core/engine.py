@@ -13,7 +13,7 @@ verification feeds [last token, d_1 .. d_k] and reads k+1
 next-token distributions. Greedy output equals the target's own greedy decoding; sampled output
 follows the target's distribution (see `sampling.py`), each generation with its own sampler. How many
 of each draft to verify is decided for the whole step by the one optimizer, `gain.lookahead`, from
-the schedules' acceptance estimates and the measured cost of the step's rows (`costs.PassCosts`), for
+the schedules' acceptance estimates and the measured cost of the step's rows (`spec.costs.PassCosts`), for
 one generation or many alike, so drafting never costs the step more than it brings. The loop sees the
 target only through `backends.base` (cache verbs and clock, vocabulary, EOS, context length): it never
 knows which library computes the logits. Under a grammar (`config.structure`, `constraint.py`) the loop masks
@@ -46,8 +46,9 @@ from assistgen.core.state import Chunk, GenerationState
 from assistgen.core.text import TextStream
 from assistgen.core.verify import Verdict, Verification, verify_all
 from assistgen.drafters.base import drafters_of
-from assistgen.policy.costs import PassCosts, pass_costs
+from assistgen.policy.costs import pass_costs
 from assistgen.policy.lengths import verified_lengths
+from assistgen.spec.costs import PassCosts
 from assistgen.spec.drafts import Drafter, first_draft
 from assistgen.spec.sampling import Sampler
 from assistgen.spec.steps import Schedule, StepOutcome

@@ -3,7 +3,7 @@
 Contract: `Adaptive` holds settings only (frozen; shared between generations and threads); `prepare` returns one
 generation's `AdaptiveRun`, a `spec.steps.ScheduleRun`. The run picks, before every step, the k that maximises
 E(k) / (k*c + v[k]) (`gain.py`) from online acceptance estimates (`acceptance.Acceptance`, per draft source),
-drafter costs c per token and the target's verification costs v (`costs.PassCosts`, followed online by
+drafter costs c per token and the target's verification costs v (`spec.costs.PassCosts`, followed online by
 `online.OnlineCosts`). It reads of a drafter only what the `Drafter` protocol declares (`name`, `model`,
 `acceptance_prior`), and of a model only what the backend seam declares (`weight_bytes`, `capabilities`, its
 measured costs). For a greedy generation on an offloaded target it carries the alternatives extension
@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING
 
 from assistgen.policy.acceptance import Acceptance
 from assistgen.policy.alternatives import AlternativesRun
-from assistgen.policy.costs import PassCosts, pass_costs, plain_seconds
+from assistgen.policy.costs import pass_costs
 from assistgen.policy.gain import LONG_K, MAX_K, best_lookahead
 from assistgen.policy.online import OnlineCosts
 from assistgen.policy.rules import check_k
+from assistgen.spec.costs import PassCosts, plain_seconds
 from assistgen.spec.drafts import Draft, Drafter
 from assistgen.spec.steps import StepOutcome
 
