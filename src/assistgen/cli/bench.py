@@ -18,7 +18,7 @@ from assistgen.bench.report import aggregate, format_table, plot
 from assistgen.bench.runner import HF_METHODS, SOURCES, Method, Runner, run_bench, terminal_progress
 from assistgen.cli.options import add_placement, load_target_and_assistant, placement, structure_from
 from assistgen.cli.schedule import parse_schedule
-from assistgen.policy.costs import pass_costs
+from assistgen.policy.costs import measured_costs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -137,7 +137,7 @@ def run_command(args: argparse.Namespace) -> int:
                                              **{**placement(args, assistant=True), "backend": "torch"})
     records, ran = run_bench(runner, prompts, methods, temperatures, Path(args.out) if args.out else None,
                              terminal_progress, args.repeats)
-    curve = None if args.no_cost_curve else list(pass_costs(target).curve)
+    curve = None if args.no_cost_curve else list(measured_costs(target).curve)
     rows = aggregate(records, curve)
     print(format_table(rows))
     valid = validity(records)

@@ -213,10 +213,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from assistgen.backends.loader import load
     from assistgen.backends.torch.model import Model
     from assistgen.backends.torch.transforms import routes_path
-    from assistgen.policy.costs import costs_path
+    from assistgen.policy.costs import costs_path, known_costs
 
     model = prepare(load(args.model, load_settings(args)), refresh=args.refresh)
-    routes, record = getattr(model, "routes", None), model.costs.record
+    routes, record = getattr(model, "routes", None), known_costs(model).record
     costs = record["verification_costs"]
     print(f"{model.name}: cost of verifying k draft tokens relative to one plain step, v(k) = t(k+1)/t(1)")
     print("  " + " ".join(f"k={k}:{v:.2f}" for k, v in enumerate(costs)))

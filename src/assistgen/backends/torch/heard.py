@@ -140,17 +140,6 @@ class HeardModel:
         return self.speech.tokenizer
 
     @property
-    def costs(self):
-        return self.speech.costs if self.layers is None else self.speech.truncated_costs.get(self.layers)
-
-    @costs.setter
-    def costs(self, value) -> None:
-        if self.layers is None:
-            self.speech.costs = value
-        else:
-            self.speech.truncated_costs[self.layers] = value
-
-    @property
     def startup_s(self) -> float:
         """What encoding the input still costs before the first pass (lazily encoded: `speech.Encoded`)."""
         return self.encoded.pending_s()
