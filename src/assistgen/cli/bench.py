@@ -156,7 +156,7 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"plot written to {args.plot}")
     print(json.dumps({"benchmark": "assistgen-bench", "model": target.name,
                       "assistant": assistant.name if assistant else None, "quantize": args.quantize,
-                      "device": str(device), "dtype": str(getattr(target, "dtype", "gguf")).removeprefix("torch."),
+                      "device": str(device), "dtype": target.describe().get("dtype", "gguf"),
                       "repeats": args.repeats, "prompts": len(prompts), "peak_rss_mb": peak_rss_mb(),
                       "peak_gpu_mb": gpu,
                       "methods": [m.spec for m in methods], "temperatures": temperatures,

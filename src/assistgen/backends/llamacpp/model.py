@@ -181,6 +181,10 @@ class LlamaModel:
         """Nothing to transform: llama.cpp chose its kernels when it loaded the file (what was measured stays
         valid: its fingerprint does not change)."""
 
+    def describe(self) -> dict:
+        """What loading chose (`backends.base`): the file's own types, so no quantization of assistgen's."""
+        return {"quantization": None, "file": str(self.path)}
+
     def new_cache(self) -> LlamaCache:
         return LlamaCache(self)
 

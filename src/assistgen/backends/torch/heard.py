@@ -217,6 +217,10 @@ class HeardModel:
     def optimize(self, mode: str = "auto", refresh: bool = False) -> None:
         """No speed transforms for speech targets yet: the decoder runs as loaded."""
 
+    def describe(self) -> dict[str, Any]:
+        """What loading chose (`backends.base`): the decoder's dtype and weights (a copy for drafting's scheme)."""
+        return {"dtype": str(self.dtype).removeprefix("torch."), "quantization": self.speech.quantization}
+
     # --- the decoder's forward pass -----------------------------------------------------------------------
     def forward(self, cache: SpeechCache, ids: list[int], keep: int) -> torch.Tensor:
         """Append `ids` to `cache`; the logits [keep, vocab] float32 of its last `keep` rows, suppression applied."""

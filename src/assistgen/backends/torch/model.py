@@ -6,9 +6,9 @@ position, `ragged.py`), `feed_together` runs one ragged forward pass over severa
 for the model's device, `optimize()` applies the transforms, `fingerprint()` keys measurements by the
 model, this machine and the model's set-up (quantization, linear routes, attention, KV layout). What
 loading and the transforms decide about the model is kept in its own fields (`quantization`,
-`quantized_layers`, `routes`); it holds nothing of the policy's, and nothing is stashed on the Hugging Face
-module. The first-layers capability (`truncated`, `exit_agreement`, `layer_costs`) is declared for models whose
-decoder layers `layers.py` can find.
+`quantized_layers`, `routes`; `describe()` says them to the layers above); it holds nothing of the policy's, and
+nothing is stashed on the Hugging Face module. The first-layers capability (`truncated`,
+`exit_agreement`, `layer_costs`) is declared for models whose decoder layers `layers.py` can find.
 """
 
 from __future__ import annotations
@@ -118,6 +118,16 @@ class Model(OnDevice):
         from assistgen.backends.torch.transforms import optimize
 
         optimize(self, mode, refresh)
+
+    def describe(self) -> dict[str, Any]:
+        """What loading and the transforms chose (`backends.base`): dtype, quantization, and on the CPU, where the
+        small-row linear routes are tuned, their record (None: not applied) and where it is cached."""
+        from assistgen.backends.torch.transforms import routes_path
+
+        out = {"dtype": str(self.dtype).removeprefix("torch."), "quantization": self.quantization}
+        if self.routes or self.device.type == "cpu":
+            out.update(linear_routes=self.routes, routes_file=routes_path(self) if self.routes else None)
+        return out
 
     # --- capabilities.first_layers ------------------------------------------------------------------------
 
