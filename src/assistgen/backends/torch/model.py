@@ -7,7 +7,7 @@ for the model's device, `optimize()` applies the transforms, `fingerprint()` key
 model, this machine and the model's set-up (quantization, linear routes, attention, KV layout). What
 loading and the transforms decide about the model is kept in its own fields (`quantization`,
 `quantized_layers`, `routes`; `describe()` says them to the layers above); it holds nothing of the policy's, and
-nothing is stashed on the Hugging Face module. The first-layers capability (`truncated`,
+nothing is stashed on the Hugging Face module or its config. The first-layers capability (`truncated`,
 `exit_agreement`, `layer_costs`) is declared for models whose decoder layers `layers.py` can find.
 """
 
