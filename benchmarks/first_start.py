@@ -4,7 +4,7 @@ Part 1 starts `assistgen serve --model M` with an empty cache folder (a new mach
 tokenizer and its pass costs all to do), times `/health` and one chat request through the openai client, waits
 until `/health` says the costs are measured (the engine measures them while idle), then starts it again on the
 now filled cache. Part 2 loads the model once and generates the same prompts greedily with prompt lookup under
-the measured costs and under the provisional ones (`policy.costs.quick_costs`): tokens per second and tokens
+the measured costs and under the provisional ones (`policy.measurement.quick_costs`): tokens per second and tokens
 per step of each, and whether the output is the same (it must be: costs move speed, not text).
 
     python benchmarks/first_start.py [--model qwen2.5-coder-1.5b] [--tokens 64] [--skip-server]
@@ -70,8 +70,9 @@ def one_start(model: str, cache: str, wait_measured: bool) -> dict:
 
 def policy_on(model, costs, tokens: int) -> dict:
     from assistgen import generate
+    from assistgen.policy.costs import enter
 
-    model.costs = costs
+    enter(model, costs)
     rate, steps, texts = [], [], []
     for prompt in PROMPTS:
         out = generate(model, prompt, lookup=True, chat=True, max_new_tokens=tokens)
@@ -97,10 +98,11 @@ def main() -> None:
             print(f"| {name} | {r['health_s']:.1f} | {r['costs_at_health']} | {r['first_request_s']:.2f} | "
                   f"{r.get('measured_after_s', float('nan')):.1f} |")
     from assistgen import load_model
-    from assistgen.policy.costs import pass_costs, quick_costs
+    from assistgen.policy.costs import measured_costs
+    from assistgen.policy.measurement import quick_costs
 
     model = load_model(args.model)
-    measured = pass_costs(model)
+    measured = measured_costs(model)
     provisional = quick_costs(model)
     rows = {"measured": policy_on(model, measured, args.tokens), "provisional": policy_on(model, provisional,
                                                                                           args.tokens)}

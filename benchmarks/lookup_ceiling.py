@@ -28,7 +28,7 @@ from assistgen.api import encode_prompt
 from assistgen.bench.dataset import default_suite, read_prompts
 from assistgen.drafters.lookup import lookup_continuation
 from assistgen.policy.adaptive import Adaptive
-from assistgen.policy.costs import pass_costs
+from assistgen.policy.costs import measured_costs
 from assistgen.policy.gain import MAX_K, step_cost
 from assistgen.policy.lengths import verified_lengths
 from assistgen.spec.drafts import Draft
@@ -93,7 +93,7 @@ def main() -> None:
     records = [r for r in records if r["temperature"] == 0.0]
     prompts = {p.question_id: p for p in read_prompts(default_suite())}
     model = load_model(records[0]["model"])
-    costs = list(pass_costs(model).curve)
+    costs = list(measured_costs(model).curve)
     by = {(r["question_id"], r["method"]): r for r in records}
     rows: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     changed = []

@@ -1,14 +1,14 @@
 """Shared test helpers: tiny randomly initialised models (built from configs, no downloads), a character
 tokenizer, transformers' greedy decoding and a cache-less loop as references, a small BPE tokenizer, the
 deliberately wrong verification rule the probability tests must catch, the one-sequence verification
-length the loop's optimizer picks, and the near-tie tolerant comparison the GPU tests use. Test modules import
-from here and from `reference.py` (the library's rules and checks kept out of the package), never from each other or
-conftest."""
+length the loop's optimizer picks, a stand-in model for the policy's tests (`PricedModel`), and the near-tie
+tolerant comparison the GPU tests use. Test modules import from here and from `reference.py` (the library's rules
+and checks kept out of the package), never from each other or conftest."""
 
 from __future__ import annotations
 
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,10 +24,13 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from assistgen.backends.base import Capabilities
 from assistgen.backends.torch.model import Model
 from assistgen.backends.torch.reference import hf_generate
 from assistgen.backends.torch.transforms import untransformed
+from assistgen.policy.costs import enter
 from assistgen.policy.lengths import verified_lengths
+from assistgen.spec.costs import PassCosts
 
 CHARS = string.ascii_letters + string.digits + " .,;:!?'\"-\n()"
 SPECIALS = ["<bos>", "<eos>", "<pad>"]
@@ -130,6 +133,26 @@ def broken_residual_from_p(p, q, draft, sampler, rejected=None):
 def verified(run, draft, drafter_name: str, room: int = 1 << 30) -> int:
     """How many of `draft`'s tokens the generation loop verifies for one sequence under the schedule run `run`."""
     return verified_lengths([run], [draft], [drafter_name], [room], run.costs)[0]
+
+
+@dataclass(eq=False)
+class PricedModel:
+    """A model as the policy reads it, without a forward pass: its weight bytes, start-up and capabilities, and the
+    `cache_key` and `fingerprint` the cost book keys it by; `costs`, when given, are entered in the book as its
+    measured ones (and kept here for the test to compare with)."""
+
+    costs: PassCosts | None = None
+    weight_bytes: int = 0
+    startup_s: float = 0.0
+    capabilities: Capabilities = field(default_factory=Capabilities)
+    cache_key = None
+
+    def __post_init__(self):
+        if self.costs is not None:
+            enter(self, self.costs)
+
+    def fingerprint(self, *extra: str) -> str:
+        return "priced"
 
 
 def free_port() -> int:

@@ -8,7 +8,7 @@ and a `GenerationConfig`, checks them, and runs `engine.stream` (a chat prompt r
 `ModelLoadError` (ValueErrors) whose message says what is wrong and how to fix it. Getting a model ready is two
 explicit steps: loading (`backends.loader.load`, on the chosen backend) and
 `prepare(model)` (the backend's optimization transforms, then the policy's cost measurements, kept in
-the model's own `costs` field); `load_model` runs both, as the CLI, the server and the bench do, its options
+the policy's cost book, `policy.costs`); `load_model` runs both, as the CLI, the server and the bench do, its options
 parsed once into a `LoadSettings`. `generate`, `stream` and a drafter never load a model per call: a name they are
 given is resolved once per process and the loaded model reused (`as_model`).
 """

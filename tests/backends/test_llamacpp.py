@@ -20,6 +20,7 @@ from assistgen.backends.llamacpp.model import LlamaCapacityError, LlamaModel
 from assistgen.backends.loader import LoadSettings, choose_backend
 from assistgen.cli.main import main
 from assistgen.config import GenerationConfig
+from assistgen.policy.costs import known_costs
 from assistgen.policy.rules import Constant
 from assistgen.serving.batching import BatchEngine
 
@@ -35,7 +36,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def smol():
     model = load_model("smollm2-135m", backend="llama.cpp")
-    assert isinstance(model, LlamaModel) and model.costs is not None  # prepared: its cost curve measured
+    assert isinstance(model, LlamaModel) and known_costs(model) is not None  # prepared: its cost curve measured
     return model
 
 

@@ -1,4 +1,5 @@
-"""Model loading from a local folder, the embedded aliases' cache, and split GGUF packages."""
+"""Model loading from a local folder, the embedded aliases' cache, split GGUF packages, and what a model says of
+its set-up (`describe`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ def test_local_model_folder_loads_and_generates_the_same(tmp_path):
     a = generate(model, ids, max_new_tokens=20, eos_token_ids=()).token_ids
     b = generate(loaded, ids, max_new_tokens=20, eos_token_ids=()).token_ids
     assert a == b
+
+
+def test_a_model_describes_what_loading_and_the_transforms_chose():
+    from assistgen.backends.torch.quantize import quantize
+
+    model = tiny_llama()
+    assert model.describe() == {"dtype": "float32", "quantization": None, "linear_routes": None, "routes_file": None}
+    assert quantize(model, "int8").describe()["quantization"] == "int8"
 
 
 def test_cache_folder_follows_the_environment(monkeypatch, tmp_path):

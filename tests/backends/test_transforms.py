@@ -117,6 +117,20 @@ def test_grouped_attention_verifies_like_transformers_attention(make):
     assert inner_attention(model.hf.config) == grouped_attention_applied(model.hf)
 
 
+def test_the_ragged_attention_writes_nothing_of_its_own_on_a_config():
+    """Attached, a config's own `_attn_implementation` names the ragged attention and the one inside it: nothing else
+    is written on it, and a copy of it (early exit's truncated model's) keeps both."""
+    import copy
+
+    model = tiny_llama()
+    config = model.hf.config
+    fields = set(vars(config))
+    KVCache(model)  # attaches the ragged attention
+    assert grouped_query_attention(model.hf)
+    assert set(vars(config)) == fields and inner_attention(config) == grouped_attention_applied(model.hf)
+    assert inner_attention(copy.deepcopy(config)) == inner_attention(config) != config._attn_implementation
+
+
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama-gqa", "gemma3-sliding"])
 def test_grouped_attention_decodes_like_a_plain_loop(make):
     model = make()

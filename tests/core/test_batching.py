@@ -212,13 +212,15 @@ def test_submit_admits_on_the_callers_thread(one_thread):
 
 
 def test_pass_costs_follow_the_measured_curve_past_one_sequence(one_thread):
-    from assistgen.policy.costs import WIDE_ROWS, pass_costs
+    from assistgen.policy.costs import calibrate, known_costs
+    from assistgen.policy.measurement import WIDE_ROWS
 
     model = tiny_llama()
-    costs = pass_costs(model)
+    assert known_costs(model) is None  # nothing measured yet, and reading measures nothing
+    costs = calibrate(model)
     record = costs.record
     v = record["verification_costs"]
-    assert model.costs is costs  # kept in the model's own field
+    assert known_costs(model) is costs  # kept in the cost book
     assert [costs.rows(n) for n in range(1, len(v) + 1)] == v
     assert [costs.rows(n) for n in WIDE_ROWS] == pytest.approx(record["wide_costs"])
     between = costs.rows((WIDE_ROWS[-2] + WIDE_ROWS[-1]) // 2)
@@ -254,7 +256,9 @@ def test_a_server_starts_on_provisional_costs_and_measures_them_while_idle(tmp_p
     import json
     import time
 
-    from assistgen.policy.costs import MAX_K, QUICK_ROWS, calibrate, costs_state, pending
+    from assistgen.policy.costs import calibrate, costs_state, known_costs, pending
+    from assistgen.policy.gain import MAX_K
+    from assistgen.policy.measurement import QUICK_ROWS
 
     monkeypatch.setenv("ASSISTGEN_CACHE", str(tmp_path))
     model = tiny_llama()
@@ -282,15 +286,16 @@ def test_a_server_starts_on_provisional_costs_and_measures_them_while_idle(tmp_p
         time.sleep(0.05)
     assert not mine() and costs_state(model) == "measured"
     files = list(tmp_path.glob("costs/*.json"))
-    assert len(files) == 1 and json.loads(files[0].read_text()) == model.costs.record
-    assert model.costs.record["verification_costs"][0] == 1.0 and len(model.costs.curve) == MAX_K + 1
+    measured = known_costs(model)
+    assert len(files) == 1 and json.loads(files[0].read_text()) == measured.record
+    assert measured.record["verification_costs"][0] == 1.0 and len(measured.curve) == MAX_K + 1
     late = engine.submit(encode(TEXTS[1]), config)  # the engine still serves after measuring
     assert [c.finish_reason for c in late][-1] == "length"
     engine.shutdown(timeout=30)
 
     again = tiny_llama()
     again.cache_key = "tiny-later"
-    assert calibrate(again, later=True).record == model.costs.record and all(c.model is not again for c in pending())
+    assert calibrate(again, later=True).record == measured.record and all(c.model is not again for c in pending())
 
 
 def test_an_engine_times_only_its_own_models_and_never_while_another_serves_on_them(tmp_path, monkeypatch, one_thread):

@@ -20,7 +20,6 @@ from assistgen.config import GenerationConfig
 from assistgen.core.engine import begin, step
 from assistgen.drafters.assistant import AssistantDrafter
 from assistgen.drafters.lookup import PromptLookupDrafter
-from assistgen.policy.costs import pass_costs
 from assistgen.spec.sampling import Sampler
 
 READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "numpy", "cpu"}
@@ -49,7 +48,6 @@ def paused(counter: CountReads, fn):
 
 
 def reads_per_step(monkeypatch, target, drafters, config_of, texts) -> tuple[list[int], list]:
-    pass_costs(target)  # (measured once, before counting: a batch of fixed rules shares its time out by them)
     counter = CountReads()
     monkeypatch.setattr(target, "feed_together", paused(counter, target.feed_together))
     monkeypatch.setattr(Sampler, "uniform", paused(counter, Sampler.uniform))

@@ -12,7 +12,7 @@ from assistgen import Constant, generate
 from assistgen.backends.torch.cache import KVCache
 from assistgen.backends.torch.model import Model
 from assistgen.drafters.early_exit import EarlyExitDrafter, best_speedup, calibrate_exit_layer
-from assistgen.policy.costs import pass_costs
+from assistgen.policy.costs import known_costs
 from assistgen.policy.gain import MAX_K, expected_gain
 
 ARCHS = {"llama": tiny_llama, "gemma3": tiny_gemma3, "gpt2": tiny_gpt2}
@@ -132,7 +132,8 @@ def test_calibration_picks_a_valid_exit_and_reports_it():
 def test_calibration_weighs_the_targets_measured_verification_costs():
     target = tiny_llama(layers=3)
     _, table = calibrate_exit_layer(target)
-    measured = list(pass_costs(target).curve)  # measured once, remembered: the curve calibration used
+    measured = list(known_costs(target).curve)  # measured once (the target was not prepared), kept in the book:
+    # the curve calibration used
     for row in table:
         assert (row["best_speedup"], row["best_k"]) == best_speedup(row["agreement"], row["cost"], measured)
     speedup, k = best_speedup(0.9, 0.1, measured)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import SMALL_TOKENIZER, encode, hf_greedy, tiny_llama, verified
+from helpers import SMALL_TOKENIZER, PricedModel, encode, hf_greedy, tiny_llama, verified
 
 import assistgen.policy.costs
 from assistgen import (
@@ -30,8 +30,9 @@ from assistgen import (
 from assistgen.backends.base import Capabilities
 from assistgen.policy.acceptance import Acceptance
 from assistgen.policy.adaptive import AdaptiveRun
-from assistgen.policy.costs import pass_costs
+from assistgen.policy.costs import measured_costs
 from assistgen.policy.gain import LONG_K, MAX_K, best_lookahead, expected_gain, expected_tokens, finishing_pays
+from assistgen.spec.costs import PassCosts
 from assistgen.spec.steps import StepOutcome
 
 FLAT = [1.0] * 17  # verification as cheap as one token (the GPU picture)
@@ -50,7 +51,7 @@ class Costly:
     """A drafter part with a model: cost from the prior, so the policy picks k before drafting."""
 
     name = "assistant"
-    model = SimpleNamespace(startup_s=0.0)  # a model: the policy reads its start-up (none) and, by the prior, its cost
+    model = PricedModel()  # a model: the policy reads its start-up (none) and, by the prior, its cost
     acceptance_prior = None
 
 
@@ -125,7 +126,7 @@ def test_a_copy_that_keeps_being_accepted_is_verified_past_max_k_where_wide_pass
     assert verified(cheap_rows, Draft([5] * 40, source="lookup"), "lookup", room=40) == 40  # the end: priced past
     # the curve too (the wide rows' costs), and all of it when that finishes sooner
     assert copy_steps(Adaptive(curve=LINEAR).prepare(None, [Cheap()])) == 0
-    torch_like = SimpleNamespace(capabilities=Capabilities(verify_rows=1 + MAX_K), costs=None)
+    torch_like = PricedModel(capabilities=Capabilities(verify_rows=1 + MAX_K))
     bounded = Adaptive(curve=[1.0 + 0.05 * k for k in range(17)]).prepare(torch_like, [Cheap()])
     assert bounded.next_k(Cheap()) == MAX_K and copy_steps(bounded) == MAX_K
     assert Adaptive(max_k=8).long_k == 8  # a schedule capped by hand stays capped (adaptive:8)
@@ -168,19 +169,20 @@ def test_verification_costs_are_measured_once_and_cached_on_disk(tmp_path, monke
     monkeypatch.setenv("ASSISTGEN_CACHE", str(tmp_path))
     target = tiny_llama(seed=0)
     target.cache_key = "tiny-test-model"
-    costs = list(pass_costs(target).curve)
+    costs = list(measured_costs(target).curve)
     assert len(costs) == MAX_K + 1 and costs[0] == 1.0 and all(c > 0 for c in costs)
     files = list((tmp_path / "costs").glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["verification_costs"] == costs
 
-    fresh = tiny_llama(seed=0)  # a new process: no memo, but the file
+    fresh = tiny_llama(seed=0)  # a new process: an empty cost book, but the file
     fresh.cache_key = "tiny-test-model"
+    monkeypatch.setattr(assistgen.policy.costs, "_BOOK", assistgen.policy.costs.CostBook())
 
     def fail(*args, **kwargs):
         raise AssertionError("measured again although a cached measurement exists")
 
     monkeypatch.setattr(assistgen.policy.costs, "measure_costs", fail)
-    assert list(pass_costs(fresh).curve) == costs
+    assert list(measured_costs(fresh).curve) == costs
     before = assistgen.policy.costs.costs_path(fresh)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 99)
     assert assistgen.policy.costs.costs_path(fresh) != before  # another machine set-up measures again
@@ -219,7 +221,7 @@ class Encoding:
     acceptance_prior = 0.9
 
     def __init__(self, startup_s: float):
-        self.model = SimpleNamespace(startup_s=startup_s)  # the policy reads only this of it (its cost: the prior)
+        self.model = PricedModel(startup_s=startup_s)  # the policy reads only this of it (its cost: the prior)
 
 
 def test_a_drafter_whose_model_must_first_encode_starts_only_when_that_pays():
@@ -253,7 +255,7 @@ class Timed:
 
     name = "assistant"
     acceptance_prior = 0.9
-    model = SimpleNamespace(startup_s=0.0, costs=SimpleNamespace(curve=(1.0, 1.5, 1.6)))
+    model = PricedModel(PassCosts.from_curve([1.0, 1.5, 1.6]))
 
 
 def test_a_model_drafters_first_pass_is_priced_by_the_rows_it_feeds():
@@ -500,15 +502,12 @@ def test_passes_slower_than_measured_flatten_the_curve_and_lengthen_the_drafts()
     """Costs measured with the weights in memory (t(17) = 13 t(1)), then every pass takes 1.2 s more (the weights
     read from the file in each pass, as under a memory cap): the policy's curve flattens and the same drafter drafts
     longer. Passes at the measured speed leave the measured curve as it is."""
-    from types import SimpleNamespace
-
-    from assistgen.policy.costs import PassCosts
     from assistgen.spec.drafts import Draft
 
     seconds = [0.1 * (1 + 0.75 * k) for k in range(17)]
     record = {"step_seconds": seconds, "verification_costs": [t / seconds[0] for t in seconds], "wide_rows": [],
               "wide_costs": [], "sequence_cost": 0.0, "batch_row_cost": 0.0}
-    target = SimpleNamespace(costs=PassCosts.of(record), capabilities=Capabilities())
+    target = PricedModel(PassCosts.of(record))
     settings = Adaptive(drafter_cost_prior=0.1)
     ks = {}
     for name, extra in (("steady", 0.0), ("streamed", 1.2)):
@@ -541,24 +540,23 @@ def test_an_offloaded_target_prices_a_resident_assistant_by_measured_step_times(
     of 45 % of its weight bytes, resident, takes 0.03 s: its prior cost is their measured step times' ratio, not the
     bytes' share, and with it the assistant drafts from the first step. The bytes' share stays for a target whose
     steps were never timed."""
-    from types import SimpleNamespace
-
     from assistgen.policy.adaptive import cost_hint
-    from assistgen.policy.costs import PassCosts
 
     def measured(t1: float, slope: float) -> PassCosts:
         seconds = [t1 * (1 + slope * k) for k in range(17)]
         return PassCosts.of({"step_seconds": seconds, "verification_costs": [t / t1 for t in seconds],
                              "wide_rows": [], "wide_costs": [], "sequence_cost": 0.0, "batch_row_cost": 0.0})
 
-    assistant = SimpleNamespace(weight_bytes=450, costs=measured(0.03, 0.5), startup_s=0.0)
+    assistant = PricedModel(measured(0.03, 0.5), weight_bytes=450)
     drafter = SimpleNamespace(name="assistant", model=assistant, acceptance_prior=None)
-    streamed = SimpleNamespace(weight_bytes=1000, costs=measured(1.2, 0.02), capabilities=Capabilities(offloaded=True))
-    resident = SimpleNamespace(weight_bytes=1000, costs=measured(0.1, 0.75), capabilities=Capabilities())
-    assert cost_hint(drafter, streamed) == pytest.approx(0.025)
-    assert cost_hint(drafter, resident) == pytest.approx(0.3)  # measured: what its passes take
-    unmeasured = SimpleNamespace(weight_bytes=1000, costs=None, capabilities=Capabilities())
-    assert cost_hint(drafter, unmeasured) == pytest.approx(0.45)  # else its share of the weight bytes
+    streamed = PricedModel(measured(1.2, 0.02), weight_bytes=1000, capabilities=Capabilities(offloaded=True))
+    resident = PricedModel(measured(0.1, 0.75), weight_bytes=1000)
+    assert cost_hint(drafter, streamed, assistant.costs, streamed.costs) == pytest.approx(0.025)
+    assert cost_hint(drafter, resident, assistant.costs, resident.costs) == pytest.approx(0.3)  # measured: what its
+    # passes take
+    unmeasured = PricedModel(weight_bytes=1000)
+    assert cost_hint(drafter, unmeasured, assistant.costs, None) == pytest.approx(0.45)  # else its share of the
+    # weight bytes
     run = Adaptive().prepare(streamed, [drafter], prompt_length=600, budget=32)
     assert run.next_k(drafter) >= 1  # drafts at once: its catch-up on the prompt is cheap against a streamed pass
     assert Adaptive().prepare(resident, [drafter], prompt_length=600, budget=32).next_k(drafter) == 0  # catch-up
@@ -568,16 +566,13 @@ def test_passes_that_also_cost_more_per_row_than_measured_are_not_priced_as_free
     """As measured under a memory cap on the torch backend (SmolLM2-135M, costs cached from a run in memory, t(1) =
     29 ms): a plain pass takes about 1.0 s, a 16-row one about 1.45 s, more than a fixed extra cost per pass gives
     (1.06). Lookup's drafts are right 10 % of the time: once the steps show that, long drafts are not verified."""
-    from types import SimpleNamespace
-
-    from assistgen.policy.costs import PassCosts
     from assistgen.spec.drafts import Draft
 
     curve = [1.0 + 0.125 * k for k in range(17)]  # t(17) = 3 t(1), as measured in memory
     seconds = [0.029 * v for v in curve]
     record = {"step_seconds": seconds, "verification_costs": curve, "wide_rows": [], "wide_costs": [],
               "sequence_cost": 0.0, "batch_row_cost": 0.0}
-    target = SimpleNamespace(costs=PassCosts.of(record), capabilities=Capabilities())
+    target = PricedModel(PassCosts.of(record))
     run, rng = Adaptive().prepare(target, [Cheap()]), random.Random(0)
     for i in range(40):
         rows = 1 if i % 3 == 0 else rng.choice([4, 8, 12, 16])
@@ -592,7 +587,7 @@ def test_under_a_budget_calibration_times_fewer_passes():
     """Each pass of an offloaded model streams its weights (seconds on a large one): calibration then times the
     row counts of SPARSE_ROWS once each after a warm-up (and the curve is linear between them), not every count
     1..17 three times. The curve still has every entry."""
-    from assistgen.policy import costs as costs_module
+    from assistgen.policy import measurement as costs_module
 
     def passes(max_memory):
         model = tiny_llama(seed=0)
@@ -617,7 +612,6 @@ def test_one_fit_tells_a_fixed_cost_per_pass_from_a_machine_uniformly_slower():
     """`online.OnlineCosts`: passes that all take twice their measured time (a busy machine: t = 2 t_measured) leave
     the measured curve as it is and double the plain step's time; passes that take a fixed 1.2 s more (weights
     streamed) flatten it, v'[k] = (v[k] + f) / (1 + f)."""
-    from assistgen.policy.costs import PassCosts
     from assistgen.policy.online import OnlineCosts
 
     seconds = [0.1 * (1 + 0.75 * k) for k in range(17)]

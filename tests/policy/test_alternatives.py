@@ -13,8 +13,9 @@ from helpers import encode, hf_greedy, tiny_llama
 
 from assistgen import Adaptive, generate
 from assistgen.policy.alternatives import StepPricing
-from assistgen.policy.costs import PassCosts
+from assistgen.policy.costs import enter
 from assistgen.policy.gain import alternative_gain, merged_reach, reach
+from assistgen.spec.costs import PassCosts
 
 FLAT = Adaptive(curve=[1.0 + 0.02 * k for k in range(17)], drafter_cost_prior=0.01)  # streamed weights
 STEEP = Adaptive(curve=[1.0 + 0.6 * k for k in range(17)], drafter_cost_prior=0.01)  # a CPU without a cap
@@ -108,7 +109,7 @@ def test_alternatives_on_llama_cpp_in_forked_sequences():
     from assistgen import load_model
 
     smol = load_model("smollm2-135m", backend="llama.cpp", context=1024, max_memory="1GB")
-    smol.costs = PassCosts.from_curve(FLAT.curve)  # as measured with its weights streamed from the file
+    enter(smol, PassCosts.from_curve(FLAT.curve))  # as measured with its weights streamed from the file
     prompt = "def area(width, height):\n    return width * height\n\n\ndef volume(width, height, depth):\n"
     plain = generate(smol, prompt, max_new_tokens=48)
     out = generate(smol, prompt, max_new_tokens=48, lookup=True, assistant=smol,

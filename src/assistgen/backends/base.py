@@ -21,11 +21,14 @@ no bound), `kv_bytes_per_token` (the keys and values one cached position holds),
 one-off work its next pass does before its own: an input it encodes when first needed; 0.0 when none or not known),
 `clock()` (seconds on a monotonic clock once the device's queued work is done: every timing above the
 seam goes through it), `optimize(mode, refresh)` (the backend's own speed transforms, "auto": only
-where they measure faster; it drops `costs`, which no longer hold) and `fingerprint(*extra)` (a stable
-key of the model, its set-up and this machine, under which measurements are cached on disk; `cache_key`
-None: measurements live in memory only).
-`costs` is the field in which the policy keeps what it measured of the model (`policy.costs`); the
-backend never reads it.
+where they measure faster), `fingerprint(*extra)` (a stable key of the model, its set-up and this machine,
+under which measurements are cached, on disk and in the policy's cost book: a transform that changes what a
+pass costs changes it; `cache_key` None: measurements live in memory only, for this model object) and
+`describe()` (what loading and the transforms chose, for people and reports: a dict with `quantization` (None:
+as loaded), `dtype` where the weights have one, and, where the backend tunes them (the torch backend on the CPU),
+`linear_routes` (the small-row linear routes' record, None when not applied) and `routes_file` (where that record
+is cached)). A model holds nothing of the layers above it: what the policy measures of it lives in the policy's
+cost book (`policy.costs`), never on the model.
 
 Capabilities a backend may lack are declared in `capabilities`, never discovered by `hasattr`:
 `first_layers` (it can run its first N decoder layers as a model of its own, sharing the weights:
@@ -89,7 +92,6 @@ class LanguageModel(Protocol):
     backend: str  # which library computes the logits: "torch" | "llama.cpp"
     tokenizer: Any
     cache_key: str | None
-    costs: Any  # the policy's measurements of this model (`policy.costs.PassCosts`), None until measured
     capabilities: Capabilities
     max_sequences: int | None  # how many caches can live at once (llama.cpp's sequence ids); None: no bound
     startup_s: float  # one-off work the next pass does first (a lazily encoded input), in seconds; 0.0: none
@@ -121,6 +123,8 @@ class LanguageModel(Protocol):
     def fingerprint(self, *extra: str) -> str: ...
 
     def optimize(self, mode: str = "auto", refresh: bool = False) -> None: ...
+
+    def describe(self) -> dict[str, Any]: ...
 
     # capabilities.first_layers
     def truncated(self, layers: int) -> LanguageModel: ...

@@ -80,7 +80,7 @@ class Runner:
 
     def key(self, prompt: Prompt, method: Method, temperature: float, repeat: int = 0) -> str:
         assistant = self.assistant.name if self.assistant else "-"
-        quantization = getattr(self.target, "quantization", None)  # (the torch backend's int8/int4)
+        quantization = self.target.describe()["quantization"]  # (the torch backend's int8/int4)
         quantized = f"|q={quantization}" if quantization else ""
         again = f"|repeat={repeat}" if repeat else ""  # the first run keeps the key it always had
         schema = self.schema_of(prompt)

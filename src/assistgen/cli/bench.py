@@ -18,7 +18,7 @@ from assistgen.bench.report import aggregate, format_table, plot
 from assistgen.bench.runner import HF_METHODS, SOURCES, Method, Runner, run_bench, terminal_progress
 from assistgen.cli.options import add_model, add_placement, load_target_and_assistant, placement, structure_from
 from assistgen.cli.schedule import parse_schedule
-from assistgen.policy.costs import pass_costs
+from assistgen.policy.costs import measured_costs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -137,7 +137,7 @@ def run_command(args: argparse.Namespace) -> int:
                                              **{**placement(args, assistant=True), "backend": "torch"})
     records, ran = run_bench(runner, prompts, methods, temperatures, Path(args.out) if args.out else None,
                              terminal_progress, args.repeats)
-    curve = None if args.no_cost_curve else list(pass_costs(target).curve)
+    curve = None if args.no_cost_curve else list(measured_costs(target).curve)
     rows = aggregate(records, curve)
     print(format_table(rows))
     valid = validity(records)
@@ -156,7 +156,7 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"plot written to {args.plot}")
     print(json.dumps({"benchmark": "assistgen-bench", "model": target.name,
                       "assistant": assistant.name if assistant else None, "quantize": args.quantize,
-                      "device": str(device), "dtype": str(getattr(target, "dtype", "gguf")).removeprefix("torch."),
+                      "device": str(device), "dtype": target.describe().get("dtype", "gguf"),
                       "repeats": args.repeats, "prompts": len(prompts), "peak_rss_mb": peak_rss_mb(),
                       "peak_gpu_mb": gpu,
                       "methods": [m.spec for m in methods], "temperatures": temperatures,

@@ -213,13 +213,11 @@ def runs(values: list, start: int) -> list[tuple[int, int, object]]:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from assistgen.api import prepare
     from assistgen.backends.loader import load
-    from assistgen.backends.torch.model import Model
-    from assistgen.backends.torch.transforms import routes_path
-    from assistgen.policy.costs import costs_path
+    from assistgen.policy.costs import costs_path, known_costs
 
     model = prepare(load(args.model, load_settings(args)), refresh=args.refresh)
-    routes, record = getattr(model, "routes", None), model.costs.record
-    costs = record["verification_costs"]
+    facts, record = model.describe(), known_costs(model).record
+    routes, costs = facts.get("linear_routes"), record["verification_costs"]
     print(f"{model.name}: cost of verifying k draft tokens relative to one plain step, v(k) = t(k+1)/t(1)")
     print("  " + " ".join(f"k={k}:{v:.2f}" for k, v in enumerate(costs)))
     if routes:
@@ -227,8 +225,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print("linear route by rows: " + ", ".join(f"{a}-{b}: {route}" for a, b, route in groups))
         padded = [f"{n}->{p}" for n, p in enumerate(routes["padded"]) if p != n]
         print("rows run padded: " + (", ".join(padded) if padded else "none"))
-        print(f"routes measured {routes.get('measured', '?')}; cached in {routes_path(model)}")
-    elif isinstance(model, Model) and model.device.type == "cpu":
+        print(f"routes measured {routes.get('measured', '?')}; cached in {facts['routes_file']}")
+    elif "linear_routes" in facts:
         print("linear routes: not applied (the small-row transform measured no faster than PyTorch's linear on this "
               "CPU)")
     print(f"costs measured {record.get('measured', '?')}; cached in {costs_path(model)}")

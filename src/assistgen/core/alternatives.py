@@ -16,8 +16,8 @@ from assistgen.backends.base import shared_prefix
 from assistgen.core.plan import Alternative, Planned
 from assistgen.core.sampling import verify_greedy
 from assistgen.policy.alternatives import StepPricing
-from assistgen.policy.costs import PassCosts
 from assistgen.policy.gain import alternative_gain, merged_reach
+from assistgen.spec.costs import PassCosts
 from assistgen.spec.drafts import Draft, Proposal
 from assistgen.spec.steps import StepOutcome
 

@@ -15,8 +15,10 @@ verification feeds [last token, d_1 .. d_k] and reads k+1
 next-token distributions. Greedy output equals the target's own greedy decoding; sampled output
 follows the target's distribution (see `sampling.py`), each generation with its own sampler. How many
 of each draft to verify is decided for the whole step by the one optimizer, `gain.lookahead`, from
-the schedules' acceptance estimates and the measured cost of the step's rows (`costs.PassCosts`), for
-one generation or many alike, so drafting never costs the step more than it brings. The loop sees the
+the schedules' acceptance estimates and the measured cost of the step's rows (`spec.costs.PassCosts`), for
+one generation or many alike, so drafting never costs the step more than it brings. A step only reads costs (the
+schedules' runs', priced when they were prepared, or the cost book's, `policy.costs.known_costs`): nothing is
+measured inside it. The loop sees the
 target only through `backends.base` (cache verbs and clock, vocabulary, EOS, context length): it never
 knows which library computes the logits. Under a grammar (`config.structure`, `constraint.py`) the loop masks
 the target's rows at every verified position, cuts a draft at the first token the grammar forbids (judged as a
@@ -49,8 +51,9 @@ from assistgen.core.state import Chunk, GenerationState
 from assistgen.core.text import TextStream
 from assistgen.core.verify import Verdict, Verification, verify_all
 from assistgen.drafters.base import drafters_of
-from assistgen.policy.costs import PassCosts, pass_costs
+from assistgen.policy.costs import known_costs
 from assistgen.policy.lengths import verified_lengths
+from assistgen.spec.costs import PassCosts
 from assistgen.spec.drafts import Drafter, first_draft
 from assistgen.spec.sampling import Sampler
 from assistgen.spec.steps import Schedule, StepOutcome
@@ -128,8 +131,8 @@ def step(states: list[GenerationState], prefill_budget: int | None = None) -> li
         if s.config.prompt_logprobs is not None:
             record_prompt_logprobs(s, rows, len(ids))
     fed, rows_in_all = len(decoding) + len(prefill), sum(len(ids) for _, ids, _ in feeds)
-    costs = plan.costs if plan.costs is not None or fed == 1 else pass_costs(target)  # (fixed rules only: the
-    # target's own costs share out the step's time)
+    costs = plan.costs if plan.costs is not None or fed == 1 else known_costs(target)  # (fixed rules only: the
+    # target's own costs, as the book holds them, share out the step's time; a step never measures)
     kept = []  # (plan with the kept draft, its rows [verified+1, vocab], the other drafts' outcomes, kept another's)
     for p, rows in zip(decoding, own, strict=True):
         share = elapsed if fed == 1 else elapsed * time_share(p.rows, fed, rows_in_all, costs)
@@ -224,9 +227,13 @@ def constrain(p: Planned) -> Planned:
     return replace(p, verified=verified, forbidden=forbidden)
 
 
-def time_share(mine: int, sequences: int, rows: int, costs: PassCosts) -> float:
+def time_share(mine: int, sequences: int, rows: int, costs: PassCosts | None) -> float:
     """The share of a batched step's time (`sequences` generations, `rows` rows in all) that a generation's `mine`
-    rows would have cost alone (for its schedule, which learns the time of a plain step from its steps)."""
+    rows would have cost alone (for its schedule, which learns the time of a plain step from its steps). Without
+    costs (fixed rules on a target never measured; nothing is measured in a step) each row an equal share: only
+    the statistics read a fixed rule's time."""
+    if costs is None:
+        return min(1.0, mine / rows)
     return min(1.0, costs.rows(mine) / costs.batch(sequences, rows))
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from assistgen.backends.base import Cache, Feed
 from assistgen.core.state import GenerationState
-from assistgen.policy.costs import PassCosts
+from assistgen.spec.costs import PassCosts
 from assistgen.spec.drafts import Proposal
 
 

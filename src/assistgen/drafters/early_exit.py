@@ -8,8 +8,9 @@ sequence at every proposal). `calibrate_exit_layer` picks N when none is given: 
 one teacher-forced forward of the full target over a calibration text, how often the exit-N argmax equals
 the full model's (alpha_N, `exit_agreement`), and the share of the parameters a draft token touches
 (c_N, `layer_costs`); the N with the best expected speed-up (`gain.best_draft_length` with the
-target's measured verification costs, over k = 1..MAX_K) wins. The drafter remembers a calibration per
-target for the life of the process, so only the first request pays for it. This module knows nothing
+target's measured verification costs, from the cost book, measured there if the target was not prepared: this
+runs when the drafter is built, before any step) wins. The drafter remembers a calibration per target for the life
+of the process, so only the first request pays for it. This module knows nothing
 about acceptance or schedules: the generation loop verifies what it drafts.
 """
 
@@ -19,7 +20,7 @@ import weakref
 from importlib.resources import files
 
 from assistgen.drafters.assistant import AssistantDrafter
-from assistgen.policy.costs import pass_costs
+from assistgen.policy.costs import measured_costs
 from assistgen.policy.gain import MAX_K, best_draft_length
 from assistgen.spec.drafts import Draft, Drafter
 from assistgen.spec.sampling import Sampler
@@ -95,12 +96,12 @@ def calibrate_exit_layer(
 
     `ids`: the calibration text (default: the first 256 tokens of the package's sample article);
     `verify_cost[k]`: the cost of verifying k draft tokens relative to a plain step (default: the target's
-    measured costs, `costs.pass_costs`).
+    measured costs, `costs.measured_costs`).
     Rows: {"layers", "agreement", "cost", "best_speedup", "best_k"} for N = 1..L-1. When no row's
     best_speedup exceeds 1, early exit is not expected to pay on this model (N is still the best one).
     """
     if verify_cost is None:
-        verify_cost = list(pass_costs(target).curve)
+        verify_cost = list(measured_costs(target).curve)
     if len(verify_cost) < 2:
         raise ValueError("verify_cost needs v[0] and at least v[1] (cost of verifying 1 draft token)")
     ids = default_calibration_ids(target) if ids is None else list(ids)
@@ -120,7 +121,7 @@ def remembered_calibration(target, ids: list[int], verify_cost: list[float] | No
     """`calibrate_exit_layer`, run once per target and settings in this process (each request builds a drafter;
     calibrating a large-vocabulary model takes seconds). verify_cost None: the target's measured costs."""
     if verify_cost is None:
-        verify_cost = list(pass_costs(target).curve)
+        verify_cost = list(measured_costs(target).curve)
     key = (tuple(ids), tuple(verify_cost))
     known = _calibrations.setdefault(target, {})
     if key not in known:

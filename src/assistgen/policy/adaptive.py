@@ -3,11 +3,13 @@
 Contract: `Adaptive` holds settings only (frozen; shared between generations and threads); `prepare` returns one
 generation's `AdaptiveRun`, a `spec.steps.ScheduleRun`. The run picks, before every step, the k that maximises
 E(k) / (k*c + v[k]) (`gain.py`) from online acceptance estimates (`acceptance.Acceptance`, per draft source),
-drafter costs c per token and the target's verification costs v (`costs.PassCosts`, followed online by
+drafter costs c per token and the target's verification costs v (`spec.costs.PassCosts`, followed online by
 `online.OnlineCosts`). It reads of a drafter only what the `Drafter` protocol declares (`name`, `model`,
-`acceptance_prior`), and of a model only what the backend seam declares (`weight_bytes`, `capabilities`, its
-measured costs). For a greedy generation on an offloaded target it carries the alternatives extension
-(`alternatives.AlternativesRun`); otherwise `alternatives` is None.
+`acceptance_prior`), of a model only what the backend seam declares (`weight_bytes`, `capabilities`,
+`startup_s`), and the models' measured costs from the cost book (`costs`), once, in `prepare`: the target's
+(measured there when the book has none: a model that was not prepared) and its model drafters' (as the book holds
+them; none: their weight bytes price them). For a greedy generation on an offloaded target it carries the
+alternatives extension (`alternatives.AlternativesRun`); otherwise `alternatives` is None.
 
 Reproducibility: with sampling, the number of random draws depends on k, so k must not depend on wall-clock
 time: a sampled generation keeps every drafter's cost at its deterministic prior (the weight-bytes ratio of
@@ -22,10 +24,11 @@ from typing import TYPE_CHECKING
 
 from assistgen.policy.acceptance import Acceptance
 from assistgen.policy.alternatives import AlternativesRun
-from assistgen.policy.costs import PassCosts, pass_costs, plain_seconds
+from assistgen.policy.costs import known_costs, measured_costs
 from assistgen.policy.gain import LONG_K, MAX_K, best_lookahead
 from assistgen.policy.online import OnlineCosts
 from assistgen.policy.rules import check_k
+from assistgen.spec.costs import PassCosts, plain_seconds
 from assistgen.spec.drafts import Draft, Drafter
 from assistgen.spec.steps import StepOutcome
 
@@ -138,6 +141,7 @@ class AdaptiveRun:
         self.pending: dict[str, int] = {}
         self.first_extra: dict[str, float] = {}  # {name: that pass's cost beyond one row's, in passes} as last priced
         self.timed: set[str] = set()  # drafters whose cost per token has been measured (not a prior any more)
+        self.drafter_curves: dict[str, tuple[float, ...]] = {}  # {name: its model's measured cost curve}, if known
         self.measured: PassCosts | None = None  # None for plain decoding: nothing to choose
         self.online: OnlineCosts | None = None  # the passes' time as they run (when measuring)
         self.alternatives: AlternativesRun | None = None  # other drafts verified beside the sequence's own
@@ -147,15 +151,20 @@ class AdaptiveRun:
         if not drafters:
             return
         if settings.curve is not None:
-            self.measured = PassCosts.from_curve(settings.curve, like=target.costs if target is not None else None)
+            theirs = known_costs(target) if target is not None else None
+            self.measured = PassCosts.from_curve(settings.curve, like=theirs)
         else:
-            self.measured = pass_costs(target)
+            theirs = self.measured = measured_costs(target)
         if measure:
             self.online = OnlineCosts(self.measured, decay=1.0 - settings.cost_weight)
         if measure and settings.alternatives > 0 and target is not None and target.capabilities.offloaded:
             self.alternatives = AlternativesRun(self)
         for drafter in drafters:
-            self.drafter_cost.setdefault(drafter.name, prior_cost(drafter, target, settings.drafter_cost_prior))
+            mine = known_costs(drafter.model) if drafter.model is not None else None
+            if mine is not None:
+                self.drafter_curves[drafter.name] = mine.curve
+            self.drafter_cost.setdefault(drafter.name, prior_cost(drafter, target, settings.drafter_cost_prior,
+                                                                  mine, theirs))
             if drafter.acceptance_prior is not None and drafter.name not in self.acceptance:  # a measured agreement
                 # (early exit's, the self-draft's) counts as a full window of the moving average's observations: one
                 # rejection then moves it as much as any later one does, not halfway to 0
@@ -236,9 +245,10 @@ class AdaptiveRun:
 
     def first_pass_extra(self, drafter: Drafter) -> float:
         """What a model drafter's next first pass costs beyond a one-row pass, in its passes: from its model's
-        measured cost curve (d[n-1] = its n-row pass over its one-row pass) for the rows it must feed (`pending`);
-        0 for a drafter that did not draft last step (`catch_up_cost` prices its unseen tokens), or without a curve."""
-        curve = getattr(getattr(drafter.model, "costs", None), "curve", None) if drafter.model is not None else None
+        measured cost curve (d[n-1] = its n-row pass over its one-row pass, as the book held it at `prepare`) for the
+        rows it must feed (`pending`); 0 for a drafter that did not draft last step (`catch_up_cost` prices its
+        unseen tokens), or without a curve."""
+        curve = self.drafter_curves.get(drafter.name)
         if not curve or drafter.name not in self.drafted_last:
             return 0.0
         rows = self.pending.get(drafter.name, 1)
@@ -364,22 +374,24 @@ class AdaptiveRun:
         return out
 
 
-def prior_cost(drafter: Drafter, target: LanguageModel | None, drafter_cost_prior: float | None) -> float:
+def prior_cost(drafter: Drafter, target: LanguageModel | None, drafter_cost_prior: float | None,
+               mine: PassCosts | None = None, theirs: PassCosts | None = None) -> float:
     """A drafter's cost per token before any measurement: 0 without a model (free until measured
-    otherwise), else `drafter_cost_prior` when set, else `cost_hint`. Deterministic."""
+    otherwise), else `drafter_cost_prior` when set, else `cost_hint` (`mine`, `theirs`: the drafter's model's and the
+    target's costs, as the book holds them). Deterministic."""
     if drafter.model is None:
         return 0.0
     if drafter_cost_prior is not None:
         return drafter_cost_prior
-    return cost_hint(drafter, target)
+    return cost_hint(drafter, target, mine, theirs)
 
 
-def cost_hint(drafter: Drafter, target: LanguageModel) -> float:
-    """A model drafter's cost per token before it is measured: its measured plain-step time over the target's where
-    both were measured (the machine's cost records: what the passes take, whatever dominates them: reading weights,
-    streaming them from their file for an offloaded target, or the per-operation time of a small model), else its
-    model's share of the target's weight bytes."""
-    mine, theirs = plain_seconds(drafter.model.costs), plain_seconds(target.costs)
-    if mine and theirs:
-        return mine / theirs
+def cost_hint(drafter: Drafter, target: LanguageModel, mine: PassCosts | None, theirs: PassCosts | None) -> float:
+    """A model drafter's cost per token before it is measured: its model's measured plain-step time (`mine`'s) over
+    the target's (`theirs`') where both were measured (the machine's cost records: what the passes take, whatever
+    dominates them: reading weights, streaming them from their file for an offloaded target, or the per-operation
+    time of a small model), else its model's share of the target's weight bytes."""
+    mine_s, theirs_s = plain_seconds(mine), plain_seconds(theirs)
+    if mine_s and theirs_s:
+        return mine_s / theirs_s
     return drafter.model.weight_bytes / max(1, target.weight_bytes)

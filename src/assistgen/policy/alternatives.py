@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from assistgen.policy.costs import PassCosts
 from assistgen.policy.gain import alternative_gain, reach
+from assistgen.spec.costs import PassCosts
 from assistgen.spec.drafts import Draft, Drafter
 from assistgen.spec.steps import StepOutcome
 

@@ -1,124 +1,103 @@
-"""The cost model: what one forward pass over n rows costs relative to plain decoding, per model and machine.
+"""The cost book: the one owner of what each model's forward passes cost (`spec.costs.PassCosts`).
 
-Contract: `pass_costs(model)` returns the model's `PassCosts`, kept in the model's own `costs` field: measured on
-first use (`calibrate`), or read back from disk. The curve `curve[k] = t(k+1) / t(1)` (v[k] in `gain.py`), where
-t(n) is the time of one forward pass over n new tokens after a short context (`backends.measure.step_times`): a step
-that verifies k draft tokens feeds k+1 tokens, so it costs v[k] plain steps (v[0] = 1). It is measured on the model
-as it runs, after its transforms, together with t(n) / t(1) at a few wider row counts (`WIDE_ROWS`, for batched
-steps over many sequences: `PassCosts.rows`) and what a further sequence and a further draft row cost in a pass over
-`BATCH` sequences (`PassCosts.batch`), and cached as JSON under `$ASSISTGEN_CACHE/costs/`, keyed by the model's
-fingerprint (`backends.base`: model, set-up, library versions, CPU, threads), so a change of any of them measures
-again; `calibrate(model, refresh=True)` or deleting the file re-measures. `calibrate(model, later=True)` does not
-hold up a server's start: with nothing on disk it sets a provisional curve from a few row counts (`quick_costs`,
-conservative: each row count priced at a wider one's time) and leaves the full measurement as a `Calibration` in
-`pending()`, which the serving engine advances one timed pass at a time while no request runs (how a generation's
-passes compare with the measurement as they run is `online.OnlineCosts`'s). Models without a `cache_key` are
-measured once per model object. Everything is measured through the backend seam (new cache, feed, crop, fork,
-clock), so any backend can be priced. How long a drafter takes per proposed token is measured online by the
-adaptive schedule, not here.
+Contract: the book holds, per model, the `PassCosts` measured of it as it is now: an entry holds for the model's
+fingerprint (`backends.base`: model, set-up, library versions, CPU, threads) at the time it was measured, so a model
+transformed since (quantized, its linear routes tuned) or run under other threads has none until it is measured
+again; nothing is written on the model. A model with a `cache_key` shares its entries with every object of that
+model (as the measurements on disk are shared: a speech model's decoder, heard anew for each input); one without
+has its own, held weakly (the book keeps no model alive). Reading and measuring are apart:
+    known_costs(model)     what the book holds (None: nothing yet); never measures, never reads the disk;
+    calibrate(model)       measures now (`measurement.measure_costs`), or reads what was measured on this machine
+                           before from `$ASSISTGEN_CACHE/costs/` (keyed by the fingerprint; `refresh` measures again),
+                           and enters it. `api.prepare` calls it, so no request pays for it. `later=True` does not
+                           hold up a server's start: with nothing on disk it enters a provisional curve from a few
+                           row counts (`measurement.quick_costs`) and leaves the full measurement to a `Calibration`
+                           in `pending()`, which the serving engine advances one timed pass at a time while no
+                           request runs;
+    measured_costs(model)  what the book holds, else `calibrate` now: for a generation's start (a schedule's
+                           `prepare`, at admission) and a drafter's set-up, where a model that was not prepared gets
+                           its costs. Never called inside a decoding step: a step only reads (`known_costs`), and a
+                           test makes every measurement raise while steps run (tests/policy/test_cost_book.py);
+    enter(model, costs)    puts costs in the book for one model object (a test's or a benchmark's own figures).
+`costs_state(model)` says what a server's policy prices the model's passes on. How a generation's passes compare
+with the measurement as they run is `online.OnlineCosts`'s; how long a drafter takes per token is measured online
+by the adaptive schedule, not here.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 import weakref
-from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from collections.abc import Generator
 from pathlib import Path
 
-import numpy as np
-import torch
-
-from assistgen.backends.measure import fed_in_pieces, finish, random_context, rounds, step_time_pieces, step_times
 from assistgen.paths import measurement_file, recalled, remember, remembered
-from assistgen.policy.gain import MAX_K
-
-WIDE_ROWS = (24, 32, 64, 128)  # row counts past MAX_K + 1 measured for batched steps (`PassCosts.rows`)
-BATCH = 8  # sequences in the batched passes measured for `PassCosts.batch`
-REQUIRED = ("verification_costs", "wide_costs", "batch_row_cost", "sequence_cost")  # else measured again
+from assistgen.policy.measurement import REQUIRED, costs_record, measure_costs, measurement_stages, quick_costs
+from assistgen.spec.costs import PassCosts
 
 
-@dataclass(frozen=True)
-class PassCosts:
-    """A model's measured cost of one forward pass, in plain steps t(1)."""
+class CostBook:
+    """Models' `PassCosts`, each entry for the fingerprint it was measured under (see the module's contract): a
+    measurement of a model with a `cache_key` is shared by every object of that model; costs of a model without
+    one, or entered for one object only (`put(..., own=True)`), belong to that object (held weakly), and come
+    first."""
 
-    curve: tuple[float, ...]  # v[0..MAX_K]: one sequence verifying k draft tokens (k + 1 rows)
-    points: tuple[tuple[int, float], ...]  # (rows, t(rows) / t(1)) of one sequence, rows ascending
-    sequence: float  # each further sequence in a batched pass (its own attention)
-    batch_row: float  # each further draft row in a batched pass
-    record: dict = field(default_factory=dict, compare=False)  # the measurement as saved (step seconds, date)
+    def __init__(self):
+        self.shared: dict[tuple[str, str], PassCosts] = {}  # (cache_key, fingerprint) -> its costs
+        self.own: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {fingerprint: its costs}
 
-    @classmethod
-    def of(cls, record: dict) -> PassCosts:
-        curve = tuple(record["verification_costs"])
-        points = list(enumerate(curve, start=1))
-        points += [(n, c) for n, c in zip(record["wide_rows"], record["wide_costs"], strict=True) if n > len(points)]
-        return cls(curve, tuple(points), record["sequence_cost"], record["batch_row_cost"], record)
+    def get(self, model) -> PassCosts | None:
+        fingerprint = model.fingerprint()
+        costs = self.own.get(model, {}).get(fingerprint)
+        if costs is None and model.cache_key:
+            costs = self.shared.get((model.cache_key, fingerprint))
+        return costs
 
-    @classmethod
-    def from_curve(cls, curve: list[float], like: PassCosts | None = None) -> PassCosts:
-        """A given curve v[0..k] (e.g. `Adaptive(curve=...)`), with `like`'s batch costs (none given: a further
-        sequence costs nothing, a further draft row the curve's mean slope)."""
-        curve = tuple(float(c) for c in curve)
-        slope = (curve[-1] - curve[0]) / max(1, len(curve) - 1)
-        return cls(curve, tuple(enumerate(curve, start=1)), like.sequence if like else 0.0,
-                   like.batch_row if like else slope)
-
-    def rows(self, rows: int) -> float:
-        """One sequence, `rows` new tokens: the curve, linear between measured row counts and past the last."""
-        points = self.points
-        for (n0, c0), (n1, c1) in zip(points, points[1:], strict=False):
-            if rows == n1:
-                return c1
-            if rows < n1:
-                return c0 + (c1 - c0) * (rows - n0) / (n1 - n0) if rows > n0 else c0
-        if len(points) == 1:
-            return points[0][1] * rows
-        (n0, c0), (n1, c1) = points[-2], points[-1]
-        return c1 + (c1 - c0) * (rows - n1) / (n1 - n0)
-
-    def extended(self, k: int) -> tuple[float, ...]:
-        """v[0..k]: the curve, and past its end (a copy longer than MAX_K) one sequence's `rows` (the wide passes'
-        measured costs, linear between them)."""
-        return self.curve[: k + 1] + tuple(self.rows(n + 1) for n in range(len(self.curve), k + 1))
-
-    def batch(self, sequences: int, rows: int, draft_rows: int = 0) -> float:
-        """`sequences` sequences with `rows` rows in all (one per decoding sequence, prompt chunks) and `draft_rows`
-        draft rows besides: the rows' cost, plus each further sequence's own attention and each draft row at their
-        measured batch costs. One sequence: its curve."""
-        if sequences <= 1:
-            return self.rows(rows + draft_rows)
-        return self.rows(rows) + (sequences - 1) * self.sequence + draft_rows * self.batch_row
+    def put(self, model, costs: PassCosts, own: bool = False) -> PassCosts:
+        fingerprint = model.fingerprint()
+        mine = self.own.setdefault(model, {})
+        if own or not model.cache_key:
+            mine[fingerprint] = costs
+        else:
+            mine.pop(fingerprint, None)
+            self.shared[(model.cache_key, fingerprint)] = costs
+        return costs
 
 
-def plain_seconds(costs: PassCosts | None) -> float | None:
-    """The measured plain-step time t(1) in seconds (the record's), None for costs not measured in seconds."""
-    seconds = costs.record.get("step_seconds") if costs is not None else None
-    return seconds[0] if seconds else None
+_BOOK = CostBook()
 
 
-def pass_costs(model) -> PassCosts:
-    """The model's `PassCosts`: its `costs` field, measured (or read from disk) on first use."""
-    return model.costs if model.costs is not None else calibrate(model)
+def known_costs(model) -> PassCosts | None:
+    """The costs the book holds for the model as it is now; None when it holds none. Never measures."""
+    return _BOOK.get(model)
+
+
+def measured_costs(model) -> PassCosts:
+    """The costs the book holds for the model, else measured now (`calibrate`: a model that was not prepared). For a
+    generation's start and a drafter's set-up only, never inside a decoding step."""
+    costs = known_costs(model)
+    return costs if costs is not None else calibrate(model)
+
+
+def enter(model, costs: PassCosts) -> PassCosts:
+    """Put `costs` in the book as this model object's, as it is now (a test's or a benchmark's own figures: other
+    objects of the same model keep what was measured)."""
+    return _BOOK.put(model, costs, own=True)
 
 
 def calibrate(model, refresh: bool = False, later: bool = False) -> PassCosts:
-    """Read the model's costs from disk, or measure them now (and save them); kept in `model.costs`. `later`: when
-    nothing is on disk, a provisional curve now (`quick_costs`, a few passes) and the full measurement left to a
+    """Read the model's costs from disk, or measure them now (and save them), and enter them in the book. `later`:
+    when nothing is on disk, a provisional curve now (`quick_costs`, a few passes) and the full measurement left to a
     `Calibration` in `pending()`, which a server runs while it is idle (an offloaded model is measured now)."""
     path = costs_path(model)
     if later and not model.capabilities.offloaded:
         record = None if refresh else recalled(path, REQUIRED)
         if record is None:
-            model.costs = quick_costs(model)
+            costs = _BOOK.put(model, quick_costs(model))
             _PENDING[model] = Calibration(model, path)
-            return model.costs
-        model.costs = PassCosts.of(record)
-        return model.costs
-    record = remembered(path, lambda: measure_costs(model), REQUIRED, refresh)
-    model.costs = PassCosts.of(record)
-    return model.costs
+            return costs
+        return _BOOK.put(model, PassCosts.of(record))
+    return _BOOK.put(model, PassCosts.of(remembered(path, lambda: measure_costs(model), REQUIRED, refresh)))
 
 
 def costs_path(model) -> Path | None:
@@ -126,66 +105,14 @@ def costs_path(model) -> Path | None:
     return measurement_file("costs", model.cache_key, model.fingerprint()) if model.cache_key else None
 
 
-SPARSE_ROWS = (1, 2, 3, 5, 9, 13, 17)  # the row counts timed under a memory budget (the rest interpolated)
-QUICK_ROWS = (1, 2, 3, 5, 9, MAX_K + 1)  # the row counts a provisional curve is timed at
-
-
-def quick_costs(model) -> PassCosts:
-    """A provisional, conservative PassCosts from a few row counts (QUICK_ROWS, best of 2). A pass over more rows
-    never takes less time, so each row count is priced at the next timed one up (a chord would not be safe: on
-    llama.cpp one row runs a faster kernel than two); every wider pass, and each further sequence or batched draft
-    row, at the widest timed pass's cost per row, which t(n) / n only falls from past it. The policy so drafts
-    no more than the measured curve would have it."""
-    timed = step_times(model, rows=list(QUICK_ROWS), repeats=2)
-    times = [timed[int(np.searchsorted(QUICK_ROWS, n))] for n in range(1, QUICK_ROWS[-1] + 1)]
-    per_row = timed[-1] / QUICK_ROWS[-1] / timed[0]  # t(1) units
-    return PassCosts.of({"model": model.name, "measured": "provisional", "provisional": True,
-                         "step_seconds": times, "verification_costs": [t / timed[0] for t in times],
-                         "wide_rows": list(WIDE_ROWS), "wide_costs": [n * per_row for n in WIDE_ROWS],
-                         "sequence_cost": per_row, "batch_row_cost": per_row})
-
-
-def measurement_stages(model) -> list[Callable[[], Generator]]:
-    """The cost measurement as stages, each a generator of timed passes (`backends.measure`) whose value is its
-    times: one sequence's curve, its wider passes, the batched passes. Offloaded (`capabilities.offloaded`),
-    every pass reads the weights from their file (seconds each on a large model), so fewer are timed: the row
-    counts of `SPARSE_ROWS` once each after a warm-up, the curve linear between them; the policy follows the
-    passes' real times online anyway (`online.OnlineCosts`)."""
-    if model.capabilities.offloaded:
-        return [lambda: step_time_pieces(model, rows=list(SPARSE_ROWS), repeats=1),
-                lambda: step_time_pieces(model, repeats=1, rows=list(WIDE_ROWS)),
-                lambda: batch_step_pieces(model, repeats=1)]
-    return [lambda: step_time_pieces(model, max_k=MAX_K),
-            lambda: step_time_pieces(model, repeats=2, rows=list(WIDE_ROWS)),
-            lambda: batch_step_pieces(model)]
-
-
-def costs_record(model, times: list[float], wide: list[float], batch: tuple[float, float, float]) -> dict:
-    """The saved record of a measurement's stages' times."""
-    if model.capabilities.offloaded:
-        times = interpolated(times, SPARSE_ROWS)
-    one, apart, two = batch
-    return {"model": model.name, "measured": time.strftime("%Y-%m-%d %H:%M"),
-            "step_seconds": [round(t, 6) for t in times], "verification_costs": [t / times[0] for t in times],
-            "wide_rows": list(WIDE_ROWS), "wide_costs": [t / times[0] for t in wide],
-            # a batched pass over BATCH sequences: each further sequence, each further row of one (t(1) units)
-            "sequence_cost": max(0.0, (apart - one) / (BATCH - 1) / times[0]),
-            "batch_row_cost": max(0.0, (two - apart) / BATCH / times[0])}
-
-
-def measure_costs(model) -> dict:
-    """Time the model's passes, every stage now."""
-    return costs_record(model, *(finish(stage()) for stage in measurement_stages(model)))
-
-
 class Calibration:
     """A model's full cost measurement, run in pieces between other work (one thread, the model's own).
-    `advance()` times one pass and says whether more remain; after the last the record is saved and becomes
-    `model.costs`, and the calibration leaves `pending()`. `interrupt()` drops the stage half done (closing its
-    generator frees its caches, so the model's sequences can serve), to be timed again from that stage's start.
-    `abandon()` gives up: the provisional costs stay. One thread advances it at a time (a call while another
-    thread times a pass returns at once), and no pass is timed while an engine other than the caller serves
-    requests on the model (`hold`/`release`: engines of two servers may share a model)."""
+    `advance()` times one pass and says whether more remain; after the last the record is saved and entered in the
+    book, and the calibration leaves `pending()`. `interrupt()` drops the stage half done (closing its generator
+    frees its caches, so the model's sequences can serve), to be timed again from that stage's start. `abandon()`
+    gives up: the provisional costs stay. One thread advances it at a time (a call while another thread times a pass
+    returns at once), and no pass is timed while an engine other than the caller serves requests on the model
+    (`hold`/`release`: engines of two servers may share a model)."""
 
     def __init__(self, model, path: Path | None):
         self.model, self.path = model, path
@@ -234,7 +161,7 @@ class Calibration:
             return True
         record = costs_record(self.model, *self.results)
         remember(self.path, record)
-        self.model.costs = PassCosts.of(record)
+        _BOOK.put(self.model, PassCosts.of(record))
         _PENDING.pop(self.model, None)
         return False
 
@@ -266,41 +193,9 @@ def pending(models: list | None = None) -> list[Calibration]:
 def costs_state(model) -> str:
     """What the policy prices `model`'s passes on: "measured", "measuring" (provisional costs, the measurement
     pending), "provisional" (the measurement given up) or "unmeasured" (nothing yet)."""
-    if model.costs is None:
+    costs = known_costs(model)
+    if costs is None:
         return "unmeasured"
-    if not model.costs.record.get("provisional"):
+    if not costs.record.get("provisional"):
         return "measured"
     return "measuring" if model in _PENDING else "provisional"
-
-
-def interpolated(times: list[float], rows: tuple[int, ...]) -> list[float]:
-    """t(n) for n = 1..rows[-1] from the times at `rows` (ascending, from 1), linear between them."""
-    return np.interp(np.arange(1, rows[-1] + 1), rows, times).tolist()
-
-
-def batch_step_times(model, context: int = 128, repeats: int = 3) -> tuple[float, float, float]:
-    """Seconds of one pass over BATCH new rows of one sequence, over one new row of each of BATCH sequences, and
-    over two rows of each (best of `repeats`, round-robin), after `context` tokens each."""
-    return finish(batch_step_pieces(model, context, repeats))
-
-
-@torch.inference_mode()
-def batch_step_pieces(model, context: int = 128, repeats: int = 3) -> Generator[None, None, tuple]:
-    """`batch_step_times`, yielding after each timed pass."""
-    ids, context = random_context(model, context, BATCH, seed=1)
-    first = model.new_cache()
-    yield from fed_in_pieces(first, ids[:context])
-    caches = [first] + [first.fork() for _ in range(BATCH - 1)]
-    shapes = ([(first, ids[context:], BATCH)], [(c, ids[context:context + 1], 1) for c in caches],
-              [(c, ids[context:context + 2], 2) for c in caches])
-
-    def run(feeds) -> float:
-        start = model.clock()
-        model.feed_together(feeds)
-        elapsed = model.clock() - start
-        for cache, _, _ in feeds:
-            cache.crop(context)
-        return elapsed
-
-    one, apart, two = yield from rounds([lambda f=f: run(f) for f in shapes], repeats)
-    return one, apart, two

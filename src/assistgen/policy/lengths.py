@@ -8,8 +8,8 @@ a run without an estimate (a fixed rule) verifies its whole draft; never more th
 
 from __future__ import annotations
 
-from assistgen.policy.costs import PassCosts
 from assistgen.policy.gain import lookahead
+from assistgen.spec.costs import PassCosts
 from assistgen.spec.drafts import Draft
 from assistgen.spec.steps import ScheduleRun
 

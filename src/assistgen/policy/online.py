@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from assistgen.policy.costs import PassCosts, plain_seconds
+from assistgen.spec.costs import PassCosts, plain_seconds
 
 
 def with_fixed_cost(costs: PassCosts, f: float) -> PassCosts:

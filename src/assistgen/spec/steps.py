@@ -15,7 +15,7 @@ generation's `ScheduleRun`, which holds whatever the generation learns and answe
     update(outcome)             what the step did (`StepOutcome`);
     report() -> dict            figures for the statistics;
 and the attributes `min_confidence` (a model drafter stops early when its top probability falls below it;
-0 disables), `costs` (the `policy.costs.PassCosts` the step is priced with; None for a fixed rule) and
+0 disables), `costs` (the `spec.costs.PassCosts` the step is priced with; None for a fixed rule) and
 `alternatives` (the run's `policy.alternatives.AlternativesRun`, when other drafters' drafts are to be
 verified beside a sequence's own; None for every run that never does). No schedule verifies more than
 `backends.base.MAX_K` draft tokens in a step.
@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from assistgen.spec.costs import PassCosts
 from assistgen.spec.drafts import Draft, Drafter
 
 
@@ -49,7 +50,7 @@ class ScheduleRun(Protocol):
     """One generation's lookahead decisions, and the state behind them."""
 
     min_confidence: float
-    costs: Any  # a policy.costs.PassCosts, or None (a fixed rule prices nothing)
+    costs: PassCosts | None  # None: a fixed rule prices nothing
     alternatives: Any  # a policy.alternatives.AlternativesRun, or None (one draft per sequence)
 
     def next_k(self, drafter: Drafter) -> int: ...

@@ -47,7 +47,7 @@ from assistgen.config import Cancelled, ConfigError, check_cancelled
 from assistgen.drafters.assistant import AssistantDrafter, agreement, same_tokenizer
 from assistgen.drafters.early_exit import calibrate_exit_layer
 from assistgen.drafters.universal import UniversalDrafter
-from assistgen.policy.costs import pass_costs
+from assistgen.policy.costs import measured_costs
 from assistgen.speech.audio import read_audio
 from assistgen.stats import Stats
 
@@ -335,7 +335,7 @@ def self_drafter(target: HeardModel, scheme: str | None) -> AssistantDrafter:
         speech.agreement[scheme] = agreement(replace(target, begin=begin, timestamps=False),
                                              replace(heard, begin=begin, timestamps=False), ids,
                                              positions=len(ids) - begin)
-        pass_costs(heard)  # its passes timed once (kept on disk): the policy's prior for its cost per token
+        measured_costs(heard)  # its passes timed once (kept on disk): the policy's prior for its cost per token
     return AssistantDrafter(heard, target, acceptance_prior=speech.agreement[scheme])
 
 
@@ -343,16 +343,17 @@ def assistant_drafter(target: HeardModel, assistant: SpeechModel, features: torc
                       language: str | None):
     """The assistant Whisper on the same window (its copy for drafting, when `assistant` is one): same tokenizer, it
     drafts token ids directly; another, in universal mode from its own decoder prompt. Its decoder's passes are timed
-    on its first window (`policy.costs.pass_costs`), so that the policy prices it by time, not by weight bytes. Where
-    both extract the same features (Whisper's 80 mel bins), `features` [1, mels, 3000] are the target's; `spoken`:
-    the window's frames that hold audio. With timestamps, a same-tokenizer assistant decodes with them too."""
+    on its first window (`policy.costs.measured_costs`), so that the policy prices it by time, not by weight bytes.
+    Where both extract the same features (Whisper's 80 mel bins), `features` [1, mels, 3000] are the target's;
+    `spoken`: the window's frames that hold audio. With timestamps, a same-tokenizer assistant decodes with them
+    too."""
     same = same_tokenizer(target, assistant)  # then it reads the target's decoder prompt, timestamps and all
     prompt = assistant.decoder_prompt(language if assistant.multilingual else None)  # (universal mode's own)
     frames = spoken + TAIL_FRAMES  # the audio's own frames, and a second of the padding after it
     heard = assistant.listen(features, begin=target.begin if same else len(prompt), draft_vocabulary=DRAFT_VOCABULARY,
                              lazy=True, frames=frames, timestamps=target.timestamps and same)  # its encoder runs
-    if assistant.costs is None:  # only if the policy lets it draft; its passes timed once per model (kept on disk;
-        pass_costs(heard)  # on this first window, the encoder runs for it): the policy's prior for its cost per token
+    measured_costs(heard)  # its passes timed once per model (kept on disk; on this first window, the encoder runs for
+    # it): the policy's prior for its cost per token
     if same:
         return AssistantDrafter(heard, target)
     return UniversalDrafter(heard, target, prefix=prompt)

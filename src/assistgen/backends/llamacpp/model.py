@@ -33,7 +33,6 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -99,7 +98,6 @@ class LlamaModel:
         self.tokenizer = tokenizer
         self.settings = settings
         self.cache_key = cache_key
-        self.costs: Any = None
         self._model = model_ptr
         self._ctx = context_ptr
         self._memory = lib.llama_get_memory(context_ptr)
@@ -180,9 +178,12 @@ class LlamaModel:
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
     def optimize(self, mode: str = "auto", refresh: bool = False) -> None:
-        """Nothing to transform: llama.cpp chose its kernels when it loaded the file. What was measured stays
-        valid, but the seam's contract is kept: costs are dropped."""
-        self.costs = None
+        """Nothing to transform: llama.cpp chose its kernels when it loaded the file (what was measured stays
+        valid: its fingerprint does not change)."""
+
+    def describe(self) -> dict:
+        """What loading chose (`backends.base`): the file's own types, so no quantization of assistgen's."""
+        return {"quantization": None, "file": str(self.path)}
 
     def new_cache(self) -> LlamaCache:
         return LlamaCache(self)

@@ -140,17 +140,6 @@ class HeardModel:
         return self.speech.tokenizer
 
     @property
-    def costs(self):
-        return self.speech.costs if self.layers is None else self.speech.truncated_costs.get(self.layers)
-
-    @costs.setter
-    def costs(self, value) -> None:
-        if self.layers is None:
-            self.speech.costs = value
-        else:
-            self.speech.truncated_costs[self.layers] = value
-
-    @property
     def startup_s(self) -> float:
         """What encoding the input still costs before the first pass (lazily encoded: `speech.Encoded`)."""
         return self.encoded.pending_s()
@@ -227,6 +216,10 @@ class HeardModel:
 
     def optimize(self, mode: str = "auto", refresh: bool = False) -> None:
         """No speed transforms for speech targets yet: the decoder runs as loaded."""
+
+    def describe(self) -> dict[str, Any]:
+        """What loading chose (`backends.base`): the decoder's dtype and weights (a copy for drafting's scheme)."""
+        return {"dtype": str(self.dtype).removeprefix("torch."), "quantization": self.speech.quantization}
 
     # --- the decoder's forward pass -----------------------------------------------------------------------
     def forward(self, cache: SpeechCache, ids: list[int], keep: int) -> torch.Tensor:

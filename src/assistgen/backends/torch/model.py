@@ -6,9 +6,9 @@ position, `ragged.py`), `feed_together` runs one ragged forward pass over severa
 for the model's device, `optimize()` applies the transforms, `fingerprint()` keys measurements by the
 model, this machine and the model's set-up (quantization, linear routes, attention, KV layout). What
 loading and the transforms decide about the model is kept in its own fields (`quantization`,
-`quantized_layers`, `routes`), and what the policy measures in `costs`; nothing is stashed on the Hugging
-Face module. The first-layers capability (`truncated`, `exit_agreement`, `layer_costs`) is declared for
-models whose decoder layers `layers.py` can find.
+`quantized_layers`, `routes`; `describe()` says them to the layers above); it holds nothing of the policy's, and
+nothing is stashed on the Hugging Face module or its config. The first-layers capability (`truncated`,
+`exit_agreement`, `layer_costs`) is declared for models whose decoder layers `layers.py` can find.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ class Model(OnDevice):
     quantization: str | None = None  # "int8" | "int4" when loading quantized it
     quantized_layers: dict | None = None  # {module name: spec} of the quantized modules (what save_quantized writes)
     routes: dict | None = None  # the small-row linear routes' record (`transforms.tune_routes`), when applied
-    costs: Any = None  # the policy's measurements (`policy.costs.PassCosts`); the backend never reads it
     max_memory: int | None = None  # the budget its weights were offloaded under (`offload.py`), bytes; None: none
     has_layers: bool = field(init=False)  # its decoder layers are found (`layers.py`): early exit can run
     backend = "torch"
@@ -114,12 +113,21 @@ class Model(OnDevice):
         return measurement_key(self, *self.set_up(), *extra)
 
     def optimize(self, mode: str = "auto", refresh: bool = False) -> None:
-        """The backend's optimization transforms (`transforms.optimize`); what was measured of the model before
-        no longer holds, so its `costs` are dropped."""
+        """The backend's optimization transforms (`transforms.optimize`); they change `fingerprint()`, so what was
+        measured of the model before no longer applies."""
         from assistgen.backends.torch.transforms import optimize
 
         optimize(self, mode, refresh)
-        self.costs = None
+
+    def describe(self) -> dict[str, Any]:
+        """What loading and the transforms chose (`backends.base`): dtype, quantization, and on the CPU, where the
+        small-row linear routes are tuned, their record (None: not applied) and where it is cached."""
+        from assistgen.backends.torch.transforms import routes_path
+
+        out = {"dtype": str(self.dtype).removeprefix("torch."), "quantization": self.quantization}
+        if self.routes or self.device.type == "cpu":
+            out.update(linear_routes=self.routes, routes_file=routes_path(self) if self.routes else None)
+        return out
 
     # --- capabilities.first_layers ------------------------------------------------------------------------
 

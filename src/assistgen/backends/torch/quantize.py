@@ -352,8 +352,8 @@ def quantize(model: Model, scheme: str) -> Model:
                 new.bias = old.bias.detach().clone()
         replace_module(hf, name, new)
         del old
-    model.quantization, model.quantized_layers = scheme, specs
-    model.costs = None  # measured of the unquantized model: no longer true
+    model.quantization, model.quantized_layers = scheme, specs  # (its fingerprint changes with them: what was
+    # measured of the unquantized model no longer applies)
     return model
 
 

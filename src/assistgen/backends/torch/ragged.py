@@ -17,12 +17,13 @@ buffer written by position (gpt-fast), its capacity doubled when full, so rollin
 draft is setting `length` (`crop`) and the next write overwrites it. Sliding-window layers keep every
 position; the window is applied in the mask. This module knows nothing about drafting or sampling.
 
-Plumbing: `attach(model)` makes the model's attention `assistgen_ragged` (registered with
-transformers' `AttentionInterface`), remembering the attention it had as the inner one, which every
-call without a ragged plan (a plain forward) goes to unchanged; `inner_attention` and
-`set_inner_attention` read and change that inner one (the attention transforms use them). The model
-gets a 4D placeholder mask (transformers then builds none) and the plan as its cache, which receives
-each layer's new keys and values.
+Plumbing: `attach(model)` makes the model's attention the ragged one around the attention it had (the inner one,
+which every call without a ragged plan, a plain forward, goes to unchanged): one ragged attention is registered with
+transformers' `AttentionInterface` per inner attention (`assistgen_ragged` around SDPA, `assistgen_ragged_<n>`
+around another), so the config's own `_attn_implementation` names both, and nothing else is written on a config;
+`inner_attention` and `set_inner_attention` read and change the inner one (the attention transforms use them). The
+model gets a 4D placeholder mask (transformers then builds none) and the plan as its cache, which receives each
+layer's new keys and values.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import threading
 from dataclasses import dataclass
 
 import torch
 
-ATTENTION = "assistgen_ragged"
-_INNER = "_assistgen_inner_attention"
+ATTENTION = "assistgen_ragged"  # the ragged attention around SDPA (`ragged_attention`: around another, numbered)
+_INNER: dict[str, str] = {}  # each registered ragged attention's name -> the inner attention it calls
+_REGISTERING = threading.Lock()
 BOOL_MASK_ATTENTION = ("sdpa", "assistgen_sdpa", "assistgen_rows")  # inner attentions that take a boolean mask
 
 
@@ -143,10 +146,10 @@ def cache_keyword(model_class: type) -> str:
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
-def _ragged_attention(module, query, key, value, attention_mask, ragged: RaggedPass | None = None, **kwargs):
+def _ragged_attention(module, query, key, value, attention_mask, ragged: RaggedPass | None = None,
+                      inner_name: str = "sdpa", **kwargs):
     """query [1, heads, N, d] over the flat rows -> ([1, N, heads, d], None), each sequence's rows attending to its
-    own keys only; without a plan (a plain forward) the inner attention runs unchanged."""
-    inner_name = getattr(module.config, _INNER, "sdpa")
+    own keys only, through the attention `inner_name`; without a plan (a plain forward) it runs unchanged."""
     inner = inner_function(module, inner_name)
     if ragged is None:
         return inner(module, query, key, value, additive(attention_mask, inner_name, query.dtype), **kwargs)
@@ -202,31 +205,38 @@ def attach(model: torch.nn.Module) -> None:
     """Route the model's attention through `_ragged_attention` (idempotent); what it had becomes the inner one.
     Every config the model's modules read is switched: layers shared with another model (early exit's truncated
     copy) read that model's config."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    if ATTENTION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(ATTENTION, _ragged_attention)
-        AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # plain forwards (no plan) get SDPA's mask
     configs = {id(model.config): model.config}
     for module in model.modules():
         config = getattr(module, "config", None)
         if config is not None and hasattr(config, "_attn_implementation"):
             configs.setdefault(id(config), config)
     for config in configs.values():
-        if config._attn_implementation != ATTENTION:
-            setattr(config, _INNER, config._attn_implementation or "sdpa")
-            config._attn_implementation = ATTENTION
+        if config._attn_implementation not in _INNER:
+            config._attn_implementation = ragged_attention(config._attn_implementation or "sdpa")
+
+
+def ragged_attention(inner: str) -> str:
+    """The name of the ragged attention around the attention `inner` (registered with transformers on first use,
+    with SDPA's mask for plain forwards)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    with _REGISTERING:
+        name = next((n for n, wrapped in _INNER.items() if wrapped == inner), None)
+        if name is None:
+            name = ATTENTION if inner == "sdpa" else f"{ATTENTION}_{len(_INNER)}"
+            AttentionInterface.register(name, functools.partial(_ragged_attention, inner_name=inner))
+            AttentionMaskInterface.register(name, sdpa_mask)  # plain forwards (no plan) get SDPA's mask
+            _INNER[name] = inner
+        return name
 
 
 def inner_attention(config) -> str | None:
-    """The attention a model runs (inside the ragged wrapper when attached)."""
+    """The attention a model runs (inside the ragged one when attached)."""
     name = getattr(config, "_attn_implementation", None)
-    return getattr(config, _INNER, "sdpa") if name == ATTENTION else name
+    return _INNER.get(name, name)
 
 
 def set_inner_attention(config, name: str) -> None:
-    if getattr(config, "_attn_implementation", None) == ATTENTION:
-        setattr(config, _INNER, name)
-    else:
-        config._attn_implementation = name
+    attached = getattr(config, "_attn_implementation", None) in _INNER
+    config._attn_implementation = ragged_attention(name) if attached else name

@@ -13,8 +13,9 @@ drafters and the policy run on it unchanged. Its logits are those transformers' 
 first after the decoder prompt); with `timestamps`, Whisper's timestamp rules after them. The decoder's forward pass is
 written here over the Hugging Face module's weights, with the same operations in the same order (pre-norm layers, the
 query scaled before attention), and keys and values in preallocated buffers written by position (crop is free, fork
-copies the self-attention buffers). `truncated(n)` runs the first n decoder layers (early exit); measurements (`costs`)
-belong to the `SpeechModel`, shared by every input it hears. `for_drafting(scheme)` is a copy whose decoder runs in int8
+copies the self-attention buffers). `truncated(n)` runs the first n decoder layers (early exit); a heard model's
+`cache_key` and `fingerprint` are the `SpeechModel`'s decoder's (with its layers and head), the same for every input
+it hears, so what is measured of one holds for all. `for_drafting(scheme)` is a copy whose decoder runs in int8
 or int4 weights (sharing every other tensor), for drafters only. The decoder's side (`HeardModel`, its caches and
 forward pass) lives in `heard.py`.
 """
@@ -52,8 +53,6 @@ class SpeechModel(OnDevice):
     extractor: Any
     name: str
     cache_key: str | None = None
-    costs: Any = None  # the policy's measurements of its decoder (one curve for every input)
-    truncated_costs: dict = field(default_factory=dict, repr=False)  # {layers: the costs of its first layers}
     exit_layer: int | None = None  # the early-exit layer its calibration chose (`speech.transcribe`), once
     agreement: dict = field(default_factory=dict, repr=False)  # {scheme: how often its copy for drafting agrees}
     encoder_s_per_frame: float | None = None  # the encoder's time per mel frame, as last measured (`Encoded`)
@@ -140,14 +139,12 @@ class SpeechModel(OnDevice):
         faster; remembered on disk): a verification pass over a few rows then costs little more than one row
         (PyTorch's own linear costs about twice as much for two rows as for one here). Prompts and the encoder (more
         rows than the routes take) keep PyTorch's linear. transformers' `generate()` on this module runs the same
-        layers. Measured costs no longer hold and are dropped."""
+        layers. Its heard models' fingerprints name the routes: what was measured of them before no longer applies."""
         from assistgen.backends.torch.transforms import small_rows_linear, tune_routes
 
         if self.device.type == "cpu" and mode and \
                 small_rows_linear(self.hf, mode="on" if mode == "on" else "auto", routes="mkl"):
             tune_routes(self, timed=self.silence, context=ROUTE_CONTEXT)
-        self.costs = None
-        self.truncated_costs.clear()
         self.agreement.clear()
 
     def silence(self) -> HeardModel:
