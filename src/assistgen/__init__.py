@@ -16,7 +16,8 @@ from assistgen.policy.adaptive import Adaptive
 from assistgen.policy.rules import Constant, Heuristic, confidence
 from assistgen.spec.drafts import Draft, Drafter
 from assistgen.speech.audio import AudioError
-from assistgen.speech.transcribe import Transcription, load_speech_model, transcribe
+from assistgen.speech.results import Transcription
+from assistgen.speech.transcribe import load_speech_model, transcribe
 from assistgen.stats import Stats
 
 __all__ = [

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import assistgen.api as api
+import assistgen.api.loading as loading
+import assistgen.api.names as names
 from assistgen import Constant, generate, load_model
 
 NAME = "smollm2-135m"
@@ -10,14 +12,14 @@ NAME = "smollm2-135m"
 
 def test_a_name_is_resolved_once_and_every_later_call_reuses_the_model(monkeypatch):
     loads = []
-    real = api.load
+    real = loading.load
 
     def counted(spec, settings=None):
         loads.append(spec)
         return real(spec, settings)
 
-    monkeypatch.setattr(api, "load", counted)
-    monkeypatch.setattr(api, "_NAMED", {})
+    monkeypatch.setattr(loading, "load", counted)
+    monkeypatch.setattr(names, "_NAMED", {})
     first = generate(NAME, "Name three colours:", max_new_tokens=6)
     again = generate(f" {NAME} ", "Name three colours:", max_new_tokens=6)
     assert loads == [NAME] and again.token_ids == first.token_ids

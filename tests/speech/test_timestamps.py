@@ -47,7 +47,7 @@ def test_segments_and_seeking_are_transformers_own():
     length (a window shorter than 3000 frames ends its last segment where transformers' float32 arithmetic does)."""
     from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
 
-    from assistgen.speech.transcribe import split_segments
+    from assistgen.speech.longform import split_segments
 
     class Decoder:  # (what split_segments asks of a tokenizer)
         @staticmethod

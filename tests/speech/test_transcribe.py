@@ -83,7 +83,7 @@ def test_the_self_draft_runs_the_quantized_decoder_and_is_accepted(whisper_base,
 def test_the_self_draft_starts_from_its_measured_agreement(whisper_base, clip):
     from assistgen import Adaptive
     from assistgen.speech.audio import read_audio
-    from assistgen.speech.transcribe import self_drafter
+    from assistgen.speech.drafting import self_drafter
 
     out = transcribe(whisper_base, clip, language="en", self_draft=True)  # the cost-aware policy chooses k
     assert out.stats.accepted_tokens > 0
@@ -99,7 +99,7 @@ def test_the_self_draft_starts_from_its_measured_agreement(whisper_base, clip):
 def test_a_draft_ends_at_the_end_token(whisper_base, clip):
     from assistgen.config import GenerationConfig
     from assistgen.spec.sampling import Sampler
-    from assistgen.speech.transcribe import self_drafter
+    from assistgen.speech.drafting import self_drafter
 
     plain = transcribe(whisper_base, clip, language="en").windows[0]
     heard = whisper_base.listen(whisper_base.features(read_audio(clip)), begin=len(plain.prompt_ids))
@@ -111,7 +111,8 @@ def test_a_draft_ends_at_the_end_token(whisper_base, clip):
 
 def test_an_assistants_encoder_is_priced_before_it_runs(whisper_base, whisper_tiny_en, clip, monkeypatch):
     import assistgen.policy.costs
-    from assistgen.speech.transcribe import assistant_drafter, expected_tokens
+    from assistgen.speech.drafting import assistant_drafter
+    from assistgen.speech.windows import expected_tokens
 
     def measured_again(*args, **kwargs):
         raise AssertionError("an assistant's passes measured again: the cost book keeps them for every window")
@@ -302,7 +303,7 @@ def test_a_transcription_stops_when_its_caller_cancels(whisper_base, clip):
 
 
 def test_an_assistant_extracting_the_same_features_reads_the_targets(whisper_base, whisper_tiny_en, clip):
-    from assistgen.speech.transcribe import Audio
+    from assistgen.speech.windows import Audio
 
     audio = Audio(whisper_base, whisper_tiny_en, read_audio(clip))
     assert audio.same  # (80 mel bins both)

@@ -7,7 +7,7 @@ to OpenAI's default "whisper-1" (`answers_to`). `checked_language(code)` is the 
 (None: detected, or an English-only model) or a `ConfigError` naming the fix; `language_name` is a code's English name
 ("english"), as OpenAI's verbose replies give it. `await run(samples, language, prompt, temperature, stop, timestamps)`
 queues a transcription on the service's own worker thread (in order, one at a time; more than `max_waiting` behind the
-one running raise `Busy`) and returns its `speech.transcribe.Transcription`, with the target's log-probabilities.
+one running raise `Busy`) and returns its `speech.results.Transcription`, with the target's log-probabilities.
 Setting its `stop` event (a client gone), or leaving the await early, cancels it: one not yet started never starts, one
 running stops after its current decoding step (`config.Cancelled` is raised to a caller still waiting). `close()` lets
 queued transcriptions finish and stops the thread. Nothing here speaks HTTP.
@@ -22,9 +22,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from assistgen.backends.torch.speech import SpeechModel
 from assistgen.config import ConfigError
 from assistgen.spec.steps import Schedule
-from assistgen.speech.transcribe import SpeechModel, Transcription, check_language, drafting_weights, transcribe
+from assistgen.speech.drafting import drafting_weights
+from assistgen.speech.languages import check_language
+from assistgen.speech.results import Transcription
+from assistgen.speech.transcribe import transcribe
 
 ALIASES = ("whisper-1",)  # names OpenAI's clients send by default, answered by the served speech model
 

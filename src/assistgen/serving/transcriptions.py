@@ -43,7 +43,7 @@ from assistgen.serving.speech_service import ALIASES, Busy, SpeechService
 from assistgen.serving.wire.errors import APIError
 from assistgen.speech.audio import FORMATS as AUDIO_FORMATS
 from assistgen.speech.audio import AudioError, read_audio
-from assistgen.speech.transcribe import Transcription
+from assistgen.speech.results import Transcription
 from assistgen.stats import Stats
 
 TAKEN = ("file", "model", "language", "prompt", "response_format", "temperature")

@@ -1,0 +1,81 @@
+"""What the user-facing arguments of `generate`/`stream` mean: the prompt's token ids, the generation settings, a
+JSON schema's structure and the schedule.
+
+Contract: each function turns one argument as a user gives it (a prompt string or ids, keyword settings, a schema
+as a dict or text, a schedule object) into what the loop takes, or raises `ConfigError` naming what is wrong and how
+to write it instead.
+"""
+
+from __future__ import annotations
+
+import json
+
+from assistgen.backends.base import LanguageModel
+from assistgen.chat.templates import encode_chat
+from assistgen.config import ConfigError, GenerationConfig, Structure
+from assistgen.policy.adaptive import Adaptive
+from assistgen.spec.steps import Schedule
+
+
+def encode_prompt(model: LanguageModel, prompt: str | list[int], chat: bool = False) -> list[int]:
+    """A prompt string (optionally wrapped in the chat template) or token ids -> token ids."""
+    if isinstance(prompt, (list, tuple)):
+        if chat:
+            raise ConfigError("chat=True needs a text prompt, not token ids.")
+        if not all(isinstance(t, int) for t in prompt):
+            raise ConfigError("A token-id prompt must be a list of integers.")
+        return list(prompt)
+    if not isinstance(prompt, str):
+        raise ConfigError(f"The prompt must be a string or a list of token ids, got {type(prompt).__name__}.")
+    if not prompt.strip():
+        raise ConfigError("The prompt is empty: give some text to continue.")
+    if chat:
+        return encode_chat(model, [{"role": "user", "content": prompt}])
+    return list(model.tokenizer(prompt)["input_ids"])
+
+
+
+def generation_config(settings: dict) -> GenerationConfig:
+    """The `GenerationConfig` of `generate`'s keyword settings (`json_schema=` as a structure, one stop string as
+    itself, not its characters); an unknown setting is a ConfigError listing the known ones."""
+    settings = dict(settings)
+    if "json_schema" in settings:
+        settings["structure"] = json_schema_structure(settings.pop("json_schema"))
+    try:
+        if isinstance(settings.get("stop"), str):
+            settings["stop"] = (settings["stop"],)  # one stop string, not its characters
+        return GenerationConfig(**{k: (tuple(v) if k == "stop" else v) for k, v in settings.items()})
+    except TypeError as e:
+        allowed = ", ".join(GenerationConfig.__dataclass_fields__)
+        raise ConfigError(f"Unknown generation setting: {e}. Allowed: {allowed}.") from e
+
+
+def default_schedule() -> Schedule:
+    """The cost-aware policy: k (0 included) chosen before every step from measured costs and acceptance."""
+    return Adaptive()
+
+
+
+def json_schema_structure(schema) -> Structure:
+    """A JSON schema (a dict, or its JSON text) as the structure the output must follow."""
+    if isinstance(schema, dict):
+        return Structure("json_schema", json.dumps(schema))
+    if isinstance(schema, str) and schema.strip():
+        return Structure("json_schema", schema)
+    raise ConfigError(f"json_schema must be a JSON schema: a dict or its JSON text, got {type(schema).__name__}.")
+
+
+
+def as_schedule(schedule) -> Schedule:
+    """A schedule object (settings; each generation gets its own run from `prepare`)."""
+    if isinstance(schedule, str):
+        raise ConfigError(f"schedule={schedule!r} is the command line's form (--schedule); in Python give a schedule "
+                          "object: assistgen.Adaptive(max_k=...), Constant(k=...), Heuristic() or confidence(k, "
+                          "threshold) (assistgen.cli.schedule.parse_schedule turns the text into one).")
+    if not isinstance(schedule, Schedule):
+        raise ConfigError(f"schedule must be a schedule object (assistgen.Adaptive, Constant, Heuristic or "
+                          f"confidence(...)), got {type(schedule).__name__}.")
+    return schedule
+
+
+
