@@ -67,9 +67,11 @@ def main() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     if args.ray:
-        from assistgen.serving.ray import ReplicaOptions, ReplicaSpec, start, stop
+        from assistgen.backends.settings import LoadSettings
+        from assistgen.serving.assembly import ServerSpec
+        from assistgen.serving.ray import ReplicaOptions, start, stop
 
-        start(ReplicaSpec(MODEL, {"backend": args.backend}),
+        start(ServerSpec(MODEL, LoadSettings(backend=args.backend)),
               ReplicaOptions(replicas=1, cpus_per_replica=args.cpus_per_replica), "127.0.0.1", port, num_cpus=2)
         try:
             result = probe(url)

@@ -24,6 +24,7 @@ from assistgen.cli.options import (
     add_placement,
     add_quantize,
     add_structure,
+    fast_linear,
     load_settings,
     load_target_and_assistant,
     settings_from,
@@ -234,11 +235,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Load the model(s), build the batched engine and serve it until SIGINT/SIGTERM (0 after a clean stop)."""
-    from assistgen.api import as_schedule, default_schedule, drafter_factory
-    from assistgen.serving.batching import BatchEngine, EngineSettings
-    from assistgen.serving.server import ServerSettings, serve
-
+    """Load the model(s), build the batched engine and serve it until SIGINT/SIGTERM (0 after a clean stop); with
+    --replicas, the same server (`server_spec`) as Ray Serve replicas."""
     serve_speech.check(args)
     if args.replicas is not None or args.ray_address:
         return serve_on_ray(args)
@@ -246,17 +244,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
              if getattr(args, n) is not None] + ([] if args.route_by_key else ["--no-route-by-key"])
     if alone:
         raise ConfigError(f"{', '.join(alone)} set(s) how Ray Serve runs replicas: add --replicas N.")
-    template = chat_template_text(args)
+    from assistgen.serving.assembly import build_server
+
+    server = build_server(server_spec(args))
+    return server.serve(args.host, args.port, serve_speech.speech_service(args))
+
+
+def server_spec(args: argparse.Namespace):
+    """`assistgen serve`'s options as the `ServerSpec` both the one-process server and each replica are wired from
+    (`serving.assembly`); the chat template is read, and every option checked, before any model loads."""
+    from assistgen.serving.app_state import ServerSettings
+    from assistgen.serving.assembly import ServerSpec
+    from assistgen.serving.batching import EngineSettings
+
     settings = ServerSettings(model_name=args.model, ngram_cache=args.ngram_cache, suffix=args.suffix,
                               share_prefix_cache=args.share_prefix_cache, **serve_speech.limits(args))
-    target, assistant = load_target_and_assistant(args, serving_settings(args), calibration="later")
-    if template is not None:
-        use_chat_template(target, template)
-    drafters = drafter_factory(target, assistant, args.lookup, args.early_exit or False, suffix=args.suffix)
-    drafters()  # bad drafter options fail here, before the server starts (and early exit's calibration runs)
-    schedule = as_schedule(args.schedule) if args.schedule is not None else default_schedule()
-    engine = BatchEngine(target, drafters, schedule, EngineSettings(**engine_options(args)))
-    return serve(engine, settings, args.host, args.port, drafters, serve_speech.speech_service(args))
+    assistant = load_settings(args, assistant=True) if args.assistant else LoadSettings()
+    return ServerSpec(args.model, serving_settings(args), args.assistant, assistant, fast_linear(args), args.lookup,
+                      args.early_exit or False, args.schedule,
+                      EngineSettings(**engine_options(args)), settings, chat_template_text(args))
 
 
 def chat_template_text(args: argparse.Namespace) -> str | None:
@@ -295,18 +301,12 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 def serve_on_ray(args: argparse.Namespace) -> int:
     """`assistgen serve --replicas N`: the same server as N Ray Serve replicas (`serving/ray.py`)."""
-    from assistgen.serving.ray import ReplicaOptions, ReplicaSpec, run
+    from assistgen.serving.ray import ReplicaOptions, run
 
-    spec = ReplicaSpec(args.model, {"settings": serving_settings(args)}, args.assistant,
-                       {"settings": load_settings(args, assistant=True)} if args.assistant else {}, args.lookup,
-                       args.early_exit or False,
-                       args.schedule, engine_options(args), args.ngram_cache,
-                       share_prefix_cache=args.share_prefix_cache, suffix=args.suffix,
-                       chat_template=chat_template_text(args))
     chosen = {n: getattr(args, n) for n in ("max_replicas", "target_ongoing_requests", "cpus_per_replica")
               if getattr(args, n) is not None}
     options = ReplicaOptions(replicas=args.replicas or 1, route_by_key=args.route_by_key, **chosen)
-    return run(spec, options, args.host, args.port, args.ray_address)
+    return run(server_spec(args), options, args.host, args.port, args.ray_address)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -88,32 +88,19 @@ def load_settings(args: argparse.Namespace, assistant: bool = False) -> LoadSett
 def load_target_and_assistant(args: argparse.Namespace, target: LoadSettings | None = None,
                               calibration: str = "now") -> tuple:
     """A command's target and its assistant (None without --assistant), their costs measured now or later
-    (`api.prepare`); `target`: the target's settings when the command has parsed them already (a server's, with
-    its own options: `cli.main.serving_settings`), else `load_settings(args)`. With --max-memory the assistant is
-    loaded first and stays resident: what it added (its anonymous memory and the file pages it maps, measured after
-    its load's passes) is taken from the budget, and the target gets the rest."""
-    from assistgen import load_model
-    from assistgen.backends.budget import megabytes, resident
-    from assistgen.backends.embedded import say
+    (`api.prepare`), within --max-memory's budget (`api.loading.load_with_assistant`); `target`: the target's
+    settings when the command has parsed them already (a server's, with its own options:
+    `cli.main.serving_settings`), else `load_settings(args)`."""
+    from assistgen.api.loading import load_with_assistant
 
-    target = load_settings(args) if target is None else target
-    fast = {"fast_linear": False} if getattr(args, "no_fast_linear", False) else {}
-    if not args.assistant:
-        return load_model(args.model, settings=target, calibration=calibration, **fast), None
-    before = resident()
-    assistant = load_model(args.assistant, settings=load_settings(args, assistant=True), calibration=calibration,
-                           **fast)
-    if target.max_memory is not None:
-        budget = target.max_memory
-        after = resident()  # (its load ran passes: every weight it reads is resident, in its file's pages or copied)
-        kept = max(0, after["anon"] + after["file"] - before["anon"] - before["file"])
-        if budget <= kept:
-            raise ConfigError(f"--max-memory {megabytes(budget)} leaves nothing for the target: the assistant "
-                              f"{args.assistant} keeps {megabytes(kept)} resident. Give more, or a smaller assistant.")
-        target = target.with_budget(budget - kept)
-        say(f"--max-memory {megabytes(budget)}: the assistant {args.assistant} keeps {megabytes(kept)} resident; the "
-            f"target {args.model} gets {megabytes(budget - kept)}.")
-    return load_model(args.model, settings=target, calibration=calibration, **fast), assistant
+    return load_with_assistant(args.model, load_settings(args) if target is None else target, args.assistant,
+                               load_settings(args, assistant=True) if args.assistant else None,
+                               fast_linear(args), calibration)
+
+
+def fast_linear(args: argparse.Namespace) -> bool | str:
+    """`prepare`'s fast_linear: False with --no-fast-linear, else "auto"."""
+    return False if getattr(args, "no_fast_linear", False) else "auto"
 
 
 def settings_from(args: argparse.Namespace) -> dict:

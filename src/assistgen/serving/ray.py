@@ -1,8 +1,9 @@
 """`assistgen serve --replicas N`: the OpenAI-compatible server as replicas on Ray Serve.
 
 Contract: `application(spec, options)` builds a Ray Serve application of two deployments:
-- `Replica` (N of them, or autoscaled on ongoing requests): each loads the model and runs the single-process
-  server's own app (`server.create_app` over a `BatchEngine`), called in-process as an ASGI app
+- `Replica` (N of them, or autoscaled on ongoing requests): each wires the single-process server from the same
+  `assembly.ServerSpec` as `assistgen serve` does (`assembly.build_server`) and runs its app, called in-process
+  as an ASGI app
   (`call_app`), so that every endpoint, check, error body and stream is the single-process server's;
 - `Ingress` (one, behind Ray Serve's HTTP proxy): takes each HTTP request and hands its method, path, headers
   and body to a replica through a streaming deployment handle, and relays status, headers and body chunks.
@@ -30,34 +31,16 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi import Request as HTTPRequest  # (at module level: FastAPI resolves the handlers' annotations here)
 
 from assistgen.config import ConfigError
+from assistgen.serving.assembly import ServerSpec, build_server
 
 METRICS_PUSH_S = 2.0
 STALE_S = 10.0
 NO_KEY = ""  # the multiplexed model id of a request without an API key: no affinity
-
-
-@dataclass(frozen=True)
-class ReplicaSpec:
-    """What each replica loads and how it serves (the `assistgen serve` options, minus where to listen)."""
-
-    model: str
-    loading: dict = field(default_factory=dict)  # load_model keyword arguments (backend, quantize, ...)
-    assistant: str | None = None
-    assistant_loading: dict = field(default_factory=dict)
-    lookup: bool = False
-    early_exit: bool | int = False
-    schedule: object = None  # a schedule (settings only: picklable) or its CLI form; None: the adaptive policy
-    engine: dict = field(default_factory=dict)  # EngineSettings fields
-    ngram_cache: bool = False
-    max_tokens_limit: int | None = None
-    share_prefix_cache: bool = False
-    suffix: bool = False
-    chat_template: str | None = None  # the template's text, instead of the model's own
 
 
 @dataclass(frozen=True)
@@ -150,28 +133,6 @@ async def call_app(app, method: str, path: str, headers: list[tuple[str, str]], 
 # --- the deployments ------------------------------------------------------------------------------------------
 
 
-def build_server(spec: ReplicaSpec):
-    """The single-process server's app and engine for a replica (the model loaded here)."""
-    from assistgen.api import as_schedule, default_schedule, drafter_factory, load_model
-    from assistgen.chat.templates import use_chat_template
-    from assistgen.serving.batching import BatchEngine, EngineSettings
-    from assistgen.serving.server import ServerSettings, create_app
-
-    target = load_model(spec.model, **spec.loading)
-    if spec.chat_template is not None:
-        use_chat_template(target, spec.chat_template)
-    assistant = load_model(spec.assistant, **spec.assistant_loading) if spec.assistant else None
-    drafters = drafter_factory(target, assistant, spec.lookup, spec.early_exit, suffix=spec.suffix)
-    drafters()  # bad drafter options fail here, as the replica starts (and early exit's calibration runs)
-    schedule = as_schedule(spec.schedule) if spec.schedule is not None else default_schedule()
-    engine = BatchEngine(target, drafters, schedule, EngineSettings(**spec.engine))
-    app = create_app(engine, ServerSettings(model_name=spec.model, ngram_cache=spec.ngram_cache,
-                                            max_tokens_limit=spec.max_tokens_limit,
-                                            share_prefix_cache=spec.share_prefix_cache, suffix=spec.suffix),
-                     drafters)
-    return app, engine
-
-
 def deployments(options: ReplicaOptions):
     """The two deployment classes (made here: Ray is imported only when replicas are asked for)."""
     from fastapi import FastAPI
@@ -182,9 +143,10 @@ def deployments(options: ReplicaOptions):
 
     @serve.deployment(**options.deployment_options())
     class Replica:
-        def __init__(self, spec: ReplicaSpec, ingress_name: str, app_name: str):
+        def __init__(self, spec: ServerSpec, ingress_name: str, app_name: str):
             # (Ray sets OMP_NUM_THREADS to the replica's CPUs, which PyTorch's and llama.cpp's threads follow)
-            self.app, self.engine = build_server(spec)
+            server = build_server(spec)  # (the CLI's own wiring: the same models, drafters, engine and app)
+            self.app, self.engine = server.app(), server.engine
             self.engine.start()
             self.pid = os.getpid()
             self.ingress = serve.get_deployment_handle(ingress_name, app_name)
@@ -314,12 +276,12 @@ def merged_metrics(reports: dict[str, tuple[float, str]], now: float) -> str:
 APP_NAME = "assistgen"
 
 
-def application(spec: ReplicaSpec, options: ReplicaOptions):
+def application(spec: ServerSpec, options: ReplicaOptions):
     replica, ingress = deployments(options)
     return ingress.bind(replica.bind(spec, "Ingress", APP_NAME), options.route_by_key)
 
 
-def start(spec: ReplicaSpec, options: ReplicaOptions, host: str, port: int, address: str | None = None,
+def start(spec: ServerSpec, options: ReplicaOptions, host: str, port: int, address: str | None = None,
           num_cpus: int | None = None):
     """Start (or join, with `address`) Ray and Serve on host:port and deploy the application; returns once every
     replica has loaded its model."""
@@ -344,7 +306,7 @@ def stop() -> None:
     ray.shutdown()
 
 
-def run(spec: ReplicaSpec, options: ReplicaOptions, host: str, port: int, address: str | None = None) -> int:
+def run(spec: ServerSpec, options: ReplicaOptions, host: str, port: int, address: str | None = None) -> int:
     """`assistgen serve --replicas N`: serve until SIGINT/SIGTERM, then shut Serve down; 0 after a clean stop."""
     start(spec, options, host, port, address)
     print(f"assistgen: serving {spec.model} on {options.replicas} Ray Serve replicas at http://{host}:{port}/v1",

@@ -13,8 +13,12 @@ import pytest
 from helpers import free_port
 
 from assistgen import Constant, generate, load_model
+from assistgen.backends.settings import LoadSettings
 from assistgen.chat.templates import encode_chat
-from assistgen.serving.ray import ReplicaOptions, ReplicaSpec, start, stop
+from assistgen.serving.app_state import ServerSettings
+from assistgen.serving.assembly import ServerSpec
+from assistgen.serving.batching import EngineSettings
+from assistgen.serving.ray import ReplicaOptions, start, stop
 
 NAME = "smollm2-135m"
 LOADING = {"backend": "llama.cpp", "exact_prompts": True, "kept_bytes": "auto"}  # as `assistgen serve` loads it
@@ -26,8 +30,9 @@ STORIES = [f"Write a short story about a {a} and a {b}." for a, b in
 @pytest.fixture(scope="module")
 def cluster():
     port = free_port()
-    spec = ReplicaSpec(NAME, LOADING, lookup=True, schedule=Constant(k=4), engine={"prefix_cache": None},
-                       max_tokens_limit=256)  # (a constant schedule: drafts verified whatever the costs measured)
+    spec = ServerSpec(NAME, LoadSettings.parse(**LOADING), lookup=True, schedule=Constant(k=4),
+                      engine=EngineSettings(prefix_cache=None), settings=ServerSettings(NAME, max_tokens_limit=256))
+    # (a constant schedule: drafts verified whatever the costs measured)
     start(spec, ReplicaOptions(replicas=2, cpus_per_replica=1), "127.0.0.1", port, num_cpus=2)
     yield f"http://127.0.0.1:{port}"
     stop()

@@ -15,7 +15,10 @@ import pytest
 from helpers import free_port
 
 from assistgen import generate, load_model
-from assistgen.serving.ray import ReplicaOptions, ReplicaSpec, route_key, start, stop
+from assistgen.backends.settings import LoadSettings
+from assistgen.serving.app_state import ServerSettings
+from assistgen.serving.assembly import ServerSpec
+from assistgen.serving.ray import ReplicaOptions, route_key, start, stop
 
 NAME = "smollm2-135m"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
@@ -28,7 +31,8 @@ STORY = ("Repeat this text exactly: The lighthouse keeper climbed the spiral sta
 @pytest.fixture(scope="module")
 def cluster():
     port = free_port()
-    spec = ReplicaSpec(NAME, {"backend": "torch"}, ngram_cache=True, max_tokens_limit=256)
+    spec = ServerSpec(NAME, LoadSettings(backend="torch"),
+                      settings=ServerSettings(NAME, ngram_cache=True, max_tokens_limit=256))
     start(spec, ReplicaOptions(replicas=2, cpus_per_replica=1), "127.0.0.1", port, num_cpus=2)
     url = f"http://127.0.0.1:{port}"
     yield url
