@@ -20,6 +20,8 @@ from assistgen.bench.dataset import DatasetError
 from assistgen.chat.templates import read_chat_template, use_chat_template
 from assistgen.cli import serve_speech
 from assistgen.cli.options import (
+    Parser,
+    add_layers,
     add_model,
     add_placement,
     add_quantize,
@@ -41,7 +43,7 @@ def schedule_argument(text: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="assistgen", description="Exact assisted generation for causal LMs.")
+    parser = Parser(prog="assistgen", description="Exact assisted generation for causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text, streaming it, then print statistics")
@@ -56,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     drafter = gen.add_mutually_exclusive_group()
     drafter.add_argument("--assistant", "-a",
                          help="assistant model (any tokenizer: a different one switches to universal mode)")
-    drafter.add_argument("--early-exit", nargs="?", const=True, type=int, metavar="LAYERS",
-                         help="self-drafting with the target's first LAYERS layers (chosen by calibration if omitted)")
+    add_layers(drafter, "--early-exit", "self-drafting with the target's first LAYERS layers (chosen by calibration "
+                                        "if omitted: --early-exit \"Hi\" is calibrated early exit on the prompt Hi)")
     gen.add_argument("--schedule", type=schedule_argument,
                      help="adaptive[:MAX_K[:ALTERNATIVES]] (default: cost-aware, k may be 0; ALTERNATIVES: at most "
                           "this many other drafts verified beside one where passes cost the same for more rows, "
@@ -116,8 +118,8 @@ def add_serve(p: argparse.ArgumentParser) -> None:
                    help="draft from n-grams of earlier requests with the same API key (never across keys)")
     drafter = p.add_mutually_exclusive_group()
     drafter.add_argument("--assistant", "-a", help="assistant model (any tokenizer), shared by all requests")
-    drafter.add_argument("--early-exit", nargs="?", const=True, type=int, metavar="LAYERS",
-                         help="self-drafting with the target's first LAYERS layers")
+    add_layers(drafter, "--early-exit", "self-drafting with the target's first LAYERS layers (chosen by calibration "
+                                        "if omitted)")
     p.add_argument("--schedule", type=schedule_argument,
                    help="as for generate, for the text and the speech model (default: cost-aware adaptive)")
     p.add_argument("--chat-template", metavar="FILE",
