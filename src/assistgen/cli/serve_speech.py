@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+from assistgen.cli.options import add_layers
 from assistgen.config import ConfigError
 
 DEPENDENT = ("speech_assistant", "speech_early_exit", "speech_self_draft", "speech_draft_weights", "speech_lookup",
@@ -27,8 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     drafter.add_argument("--speech-assistant", metavar="MODEL",
                          help="an assistant Whisper that drafts for the speech model (another tokenizer switches to "
                               "universal mode: whisper-tiny-en for whisper-base)")
-    drafter.add_argument("--speech-early-exit", nargs="?", const=True, type=int, metavar="LAYERS",
-                         help="the speech model's first LAYERS decoder layers draft (calibrated if omitted)")
+    add_layers(drafter, "--speech-early-exit", "the speech model's first LAYERS decoder layers draft (calibrated if "
+                                               "omitted)")
     drafter.add_argument("--speech-self-draft", action="store_true",
                          help="the speech model's own decoder in quantized weights drafts (on the CPU)")
     group.add_argument("--speech-draft-weights", choices=("auto", "int8", "int4", "float"),

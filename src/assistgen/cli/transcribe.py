@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from assistgen.cli.options import add_layers
 from assistgen.speech.transcribe import transcribe
 
 
@@ -26,8 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     drafter = p.add_mutually_exclusive_group()
     drafter.add_argument("--assistant", "-a",
                          help="an assistant Whisper (another tokenizer switches to universal mode: whisper-tiny-en)")
-    drafter.add_argument("--early-exit", nargs="?", const=True, type=int, metavar="LAYERS",
-                         help="self-drafting with the target's first LAYERS decoder layers (calibrated if omitted)")
+    add_layers(drafter, "--early-exit", "self-drafting with the target's first LAYERS decoder layers (calibrated if "
+                                        "omitted: --early-exit clip.wav is calibrated early exit on clip.wav)")
     drafter.add_argument("--self-draft", action="store_true",
                          help="self-drafting with the target's own decoder in quantized weights (on the CPU)")
     p.add_argument("--draft-weights", choices=("auto", "int8", "int4", "float"),
