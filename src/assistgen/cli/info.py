@@ -29,16 +29,11 @@ def version(package: str) -> str | None:
 
 
 def cpu_flags() -> list[str]:
-    """The features in CPU_FLAGS this processor reports (/proc/cpuinfo's flags; empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    have = set(line.split(":", 1)[1].split())
-                    return [flag for flag in CPU_FLAGS if flag in have]
-    except OSError:
-        pass
-    return []
+    """The features in CPU_FLAGS this processor reports (`backends.machine.cpu_flags`)."""
+    from assistgen.backends.machine import cpu_flags as reported
+
+    have = reported()
+    return [flag for flag in CPU_FLAGS if flag in have]
 
 
 def size_of(path: Path) -> int:

@@ -25,6 +25,7 @@ import warnings
 from pathlib import Path
 
 from assistgen.backends.embedded import ModelLoadError
+from assistgen.backends.machine import cpu_identity
 from assistgen.paths import cache_root, replaced_atomically
 
 SKIP = "ASSISTGEN_NO_CPU_PROBE"
@@ -47,21 +48,6 @@ print(json.dumps({"variant": variant, "extra": k.extra_buffer_types(lib),
                   "rows": [[r.case.name, r.buffer_type, r.row_exact_switch, r.first_differing_rows] for r in rows]}))
 """
 _PASSED: dict[str, dict] = {}
-
-
-def cpu_identity() -> str:
-    """This CPU's name and feature flags, as /proc/cpuinfo gives them (empty where there is none)."""
-    name = flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and not name:
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith(("flags", "Features")) and not flags:
-                    flags = " ".join(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    return f"{name}|{flags}"
 
 
 def record_path(lib_dir: Path) -> Path:
