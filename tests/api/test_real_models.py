@@ -11,7 +11,7 @@ from reference import first_divergence
 from assistgen import TokenizerMismatchError, generate, load_model
 from assistgen.api import encode_prompt
 from assistgen.backends.torch.model import Model
-from assistgen.backends.torch.transforms import is_applied
+from assistgen.backends.torch.small_rows import is_applied
 from assistgen.cli.demo import summary_prompt
 from assistgen.cli.main import main
 from assistgen.drafters.assistant import check_same_tokenizer

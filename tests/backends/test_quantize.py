@@ -7,6 +7,7 @@ import torch
 from helpers import encode, tiny_gemma3, tiny_gpt2, tiny_llama
 
 from assistgen import generate
+from assistgen.backends.torch.attention import ROW_ATTENTION, grouped_attention_applied
 from assistgen.backends.torch.cache import KVCache
 from assistgen.backends.torch.quantize import (
     KERNEL_ROWS,
@@ -21,7 +22,7 @@ from assistgen.backends.torch.quantize import (
     row_independent,
     save_quantized,
 )
-from assistgen.backends.torch.transforms import ROW_ATTENTION, grouped_attention_applied, optimize
+from assistgen.backends.torch.transforms import optimize
 from assistgen.cli.main import main as cli_main
 from assistgen.policy.rules import Constant
 

@@ -266,7 +266,7 @@ def test_audio_over_the_limit_is_refused(whisper_base, clip):
 def test_the_decoders_linear_routes_are_tuned_per_row_count(whisper_base):
     """Whether the small-row transform pays is this CPU's answer; the mechanism is tested on every CPU: where it was
     not applied no layer is swapped and no routes are recorded, and a model forced to take it tunes its routes."""
-    from assistgen.backends.torch.transforms import SmallRowsLinear, applied_routes
+    from assistgen.backends.torch.small_rows import SmallRowsLinear, applied_routes
     from assistgen.speech.transcribe import load_speech_model
 
     model = whisper_base

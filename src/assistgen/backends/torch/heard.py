@@ -203,7 +203,7 @@ class HeardModel:
         return clock(self.device)
 
     def fingerprint(self, *extra: str) -> str:
-        from assistgen.backends.torch.transforms import applied_routes
+        from assistgen.backends.torch.small_rows import applied_routes
 
         return measurement_key(self.speech, f"decoder_layers={len(self.blocks)}", "kind=speech",
                                f"routes={applied_routes(self.speech.hf)}", f"head={self.head_rows}",

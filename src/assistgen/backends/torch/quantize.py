@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from assistgen.backends.base import MAX_K
 from assistgen.backends.torch.devices import require_cpu
 from assistgen.backends.torch.model import Model
-from assistgen.backends.torch.transforms import replace_module
+from assistgen.backends.torch.swap import replace_module
 from assistgen.paths import replaced_atomically
 
 SCHEMES = ("int8", "int4")
