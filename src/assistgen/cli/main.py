@@ -184,7 +184,8 @@ def print_logprobs(tokenizer, logprobs) -> None:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from assistgen.backends.torch.quantize import SCHEMES, is_saved
+    from assistgen.backends.torch.quantization_schemes import SCHEMES
+    from assistgen.backends.torch.quantize import is_saved
     from assistgen.paths import cache_root
 
     print(f"{'alias':<20}{'installed':<11}{'converted':<11}{'quantized':<11}description")

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from assistgen.backends.base import Capabilities, synced
-from assistgen.backends.torch.quantize import COMPUTE, KERNEL_ROWS
+from assistgen.backends.torch.quantization_schemes import COMPUTE
+from assistgen.backends.torch.quantized_layers import KERNEL_ROWS
 from assistgen.backends.torch.timing import clock, measurement_key
 
 DRAFTING_FORWARD = "2"  # a copy for drafting's forward pass (`drafting_layer`): its measured costs are keyed by it
