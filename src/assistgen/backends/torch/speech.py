@@ -32,10 +32,11 @@ import torch.nn.functional as F
 
 from assistgen.backends.embedded import ModelLoadError
 from assistgen.backends.torch.devices import OnDevice, model_device
-from assistgen.backends.torch.heard import DRAFT_VOCABULARY, HeadRows, HeardModel, heads
+from assistgen.backends.torch.heard import DRAFT_VOCABULARY, HeardModel
 from assistgen.backends.torch.quantize import quantized_linear
 from assistgen.backends.torch.swap import replace_module
 from assistgen.backends.torch.timing import clock
+from assistgen.backends.torch.whisper_operations import HeadRows, heads
 
 __all__ = ["DRAFT_VOCABULARY", "SAMPLE_RATE", "WINDOW_S", "Encoded", "HeardModel", "SpeechModel", "load_speech"]
 
@@ -159,7 +160,7 @@ class SpeechModel(OnDevice):
         `frames`: for a drafter, encode only the first `frames` mel frames instead of the whole 30 s (whisper.cpp's
         reduced audio context: the encoder's cost falls with the audio's length; its drafts may be worse, and the
         target, which always hears the whole window, still decides); `timestamps`: Whisper's timestamp rules apply
-        (`heard.TimestampRules`)."""
+        (`whisper_rules.TimestampRules`)."""
         encoded = Encoded(self, features, frames)
         if not lazy:
             encoded.layers()
