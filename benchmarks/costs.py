@@ -3,8 +3,8 @@
 For each model: one forward over n = 1..MAX_K+1 (17) new tokens after a context (128 tokens by default),
 with every linear on PyTorch's own `F.linear`, on the small-row MKL route and on the oneDNN
 packed route (all with transformers' SDPA attention); then the faster route per row count (as
-`transforms.tune_routes` picks it) with transformers' attention ("tuned") and with the grouped-query
-attention (`transforms.grouped_query_attention`, "tuned+gqa"), and the verification-cost curve
+`small_rows.tune_routes` picks it) with transformers' attention ("tuned") and with the grouped-query
+attention (`attention.grouped_query_attention`, "tuned+gqa"), and the verification-cost curve
 v(k) = t(k+1)/t(1) of the latter, which is what `load_model` gives. Prints a table and one JSON line.
 
     python benchmarks/costs.py [--models smollm2-135m,gemma3-270m] [--context 128]
@@ -17,13 +17,8 @@ import json
 
 from assistgen import load_model
 from assistgen.backends.measure import step_times as measure_step_times
-from assistgen.backends.torch.transforms import (
-    grouped_query_attention,
-    remove_grouped_query_attention,
-    remove_small_rows_linear,
-    route_table,
-    small_rows_linear,
-)
+from assistgen.backends.torch.attention import grouped_query_attention, remove_grouped_query_attention
+from assistgen.backends.torch.small_rows import remove_small_rows_linear, route_table, small_rows_linear
 
 ROUTES = ("F.linear", "mkl", "onednn")
 COLUMNS = (*ROUTES, "tuned", "tuned+gqa")

@@ -1,6 +1,6 @@
 """Prefill of a quantized model: seconds per prompt length, and how much of it is dequantization.
 
-A prompt longer than `quantize.KERNEL_ROWS` tokens dequantizes every layer to bf16 for one matrix product
+A prompt longer than `quantized_layers.KERNEL_ROWS` tokens dequantizes every layer to bf16 for one matrix product
 (`QuantizedLinear.dequantized`). This times one forward over n random tokens from an empty cache (best of
 `--repeats`) for each n in `--rows`, and the seconds spent inside `dequantized` during it. With
 `--compare`, the int4 dequantization is also run the way it was computed before 2026-12-01 (a fresh
@@ -21,7 +21,8 @@ import torch
 
 from assistgen import load_model
 from assistgen.backends.torch.cache import KVCache
-from assistgen.backends.torch.quantize import COMPUTE, Int4Linear, QuantizedLinear, unpack_int4
+from assistgen.backends.torch.quantization_schemes import COMPUTE, unpack_int4
+from assistgen.backends.torch.quantized_layers import Int4Linear, QuantizedLinear
 
 
 def out_of_place(self: Int4Linear) -> torch.Tensor:

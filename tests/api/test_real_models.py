@@ -11,7 +11,7 @@ from reference import first_divergence
 from assistgen import TokenizerMismatchError, generate, load_model
 from assistgen.api import encode_prompt
 from assistgen.backends.torch.model import Model
-from assistgen.backends.torch.transforms import is_applied
+from assistgen.backends.torch.small_rows import is_applied
 from assistgen.cli.demo import summary_prompt
 from assistgen.cli.main import main
 from assistgen.drafters.assistant import check_same_tokenizer
@@ -130,7 +130,8 @@ def test_universal_gemma3_drafted_by_smollm2_is_exact(gemma3, smollm2_fast, name
 @pytest.mark.parametrize("which", ["smollm2", pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_quantized_real_models_speculate_token_for_token_like_plain_decoding(scheme, which):
     """No near-tie exception with quantized weights: every drafter gives plain decoding's tokens exactly."""
-    from assistgen.backends.torch.quantize import QuantizedLinear, row_independent
+    from assistgen.backends.torch.quantize import row_independent
+    from assistgen.backends.torch.quantized_layers import QuantizedLinear
 
     smol = load_model("smollm2-135m", quantize=scheme)
     gemma = load_model("gemma3-270m", quantize=scheme) if which == "gemma3" else None

@@ -19,7 +19,7 @@ from assistgen import Model, ModelLoadError, generate, load_model
 from assistgen.backends.torch.cache import KVCache
 from assistgen.backends.torch.devices import DeviceError
 from assistgen.backends.torch.quantize import quantize
-from assistgen.backends.torch.transforms import tune_routes
+from assistgen.backends.torch.small_rows import tune_routes
 from assistgen.config import GenerationConfig
 from assistgen.core.engine import begin, step
 from assistgen.core.sampling import Sampler

@@ -16,8 +16,8 @@ from helpers import assert_exact_or_near_tie, transformers_greedy
 from assistgen import generate, load_model
 from assistgen.api import encode_prompt
 from assistgen.backends.torch.devices import model_device
+from assistgen.backends.torch.small_rows import is_applied
 from assistgen.backends.torch.timing import machine
-from assistgen.backends.torch.transforms import is_applied
 from assistgen.drafters.early_exit import EarlyExitDrafter, default_calibration_ids
 from assistgen.policy.rules import Constant, Heuristic
 

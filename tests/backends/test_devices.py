@@ -13,15 +13,15 @@ from assistgen.backends.torch.cache import KVCache
 from assistgen.backends.torch.devices import DeviceError, accelerator, model_device, require_cpu, resolve_device
 from assistgen.backends.torch.model import Model
 from assistgen.backends.torch.quantize import quantize
-from assistgen.backends.torch.timing import clock, machine, measurement_key
-from assistgen.backends.torch.transforms import (
+from assistgen.backends.torch.small_rows import (
     PackedWeight,
     SmallRowsLinear,
     is_applied,
-    optimize,
     small_rows_linear,
     tune_routes,
 )
+from assistgen.backends.torch.timing import clock, machine, measurement_key
+from assistgen.backends.torch.transforms import optimize
 from assistgen.bench.dataset import Prompt
 from assistgen.bench.runner import Runner, run_bench
 from assistgen.cli.bench import parse_method

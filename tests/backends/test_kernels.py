@@ -98,7 +98,8 @@ def test_the_probe_passes_here_and_is_remembered(tmp_path, monkeypatch):
 
 
 def test_a_kernel_the_probe_saw_inexact_makes_the_model_say_so():
-    from assistgen.backends.llamacpp.model import LlamaSettings, inexact_reason
+    from assistgen.backends.llamacpp.exactness import inexact_reason
+    from assistgen.backends.llamacpp.settings import LlamaSettings
 
     probe = {"rows": [["q8_0[256]", "CPU", True, None], ["q6_K[256]", "CPU", True, 4], ["f32[256]", "CPU", False, 2]]}
     rows = guard.exact_rows(probe)

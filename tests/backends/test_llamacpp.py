@@ -16,7 +16,8 @@ from reference import first_divergence
 from assistgen import ConfigError, ModelLoadError, generate, load_model, stream
 from assistgen.api import encode_prompt
 from assistgen.backends.llamacpp.loading import CHECK_TEXT, check_tokenizer, llama_tokenize
-from assistgen.backends.llamacpp.model import LlamaCapacityError, LlamaModel
+from assistgen.backends.llamacpp.model import LlamaModel
+from assistgen.backends.llamacpp.settings import LlamaCapacityError
 from assistgen.backends.loader import LoadSettings, choose_backend
 from assistgen.cli.main import main
 from assistgen.config import GenerationConfig

@@ -7,21 +7,18 @@ import torch
 from helpers import encode, tiny_gemma3, tiny_gpt2, tiny_llama
 
 from assistgen import generate
+from assistgen.backends.torch.attention import ROW_ATTENTION, grouped_attention_applied
 from assistgen.backends.torch.cache import KVCache
-from assistgen.backends.torch.quantize import (
+from assistgen.backends.torch.quantization_schemes import QuantizeError
+from assistgen.backends.torch.quantize import is_saved, load_quantized, quantize, row_independent, save_quantized
+from assistgen.backends.torch.quantized_layers import (
     KERNEL_ROWS,
     Int4Linear,
     Int8Embedding,
     Int8Linear,
     QuantizedLinear,
-    QuantizeError,
-    is_saved,
-    load_quantized,
-    quantize,
-    row_independent,
-    save_quantized,
 )
-from assistgen.backends.torch.transforms import ROW_ATTENTION, grouped_attention_applied, optimize
+from assistgen.backends.torch.transforms import optimize
 from assistgen.cli.main import main as cli_main
 from assistgen.policy.rules import Constant
 
@@ -65,7 +62,7 @@ def test_a_quantized_layer_computes_the_product_it_stores(scheme):
     reference = linear.weight.detach().clone(), linear.bias.detach().clone()
     layer = Int8Linear(256, 80, bias=True) if scheme == "int8" else Int4Linear(256, 80, bias=True, group=128)
     if scheme == "int8":
-        from assistgen.backends.torch.quantize import int8_rows
+        from assistgen.backends.torch.quantization_schemes import int8_rows
 
         layer.weight, layer.scales = int8_rows(reference[0])
     else:

@@ -7,20 +7,18 @@ import torch
 from helpers import encode, hf_greedy, naive_greedy, tiny_gemma3, tiny_llama
 
 from assistgen import generate
+from assistgen.backends.torch.attention import _grouped_sdpa, grouped_attention_applied, grouped_query_attention
 from assistgen.backends.torch.cache import KVCache
 from assistgen.backends.torch.ragged import inner_attention, set_inner_attention
-from assistgen.backends.torch.transforms import (
+from assistgen.backends.torch.small_rows import (
     SmallRowsLinear,
-    _grouped_sdpa,
     applied_routes,
-    grouped_attention_applied,
-    grouped_query_attention,
     is_applied,
     remove_small_rows_linear,
     route_table,
     small_rows_linear,
-    untransformed,
 )
+from assistgen.backends.torch.transforms import untransformed
 from assistgen.policy.rules import Constant
 
 

@@ -1,4 +1,4 @@
-"""Whisper's timestamp rules (`heard.TimestampRules`) are transformers' processor, row by row."""
+"""Whisper's timestamp rules (`whisper_rules.TimestampRules`) are transformers' processor, row by row."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import WhisperTimeStampLogitsProcessor
 
-from assistgen.backends.torch.heard import TimestampRules
+from assistgen.backends.torch.whisper_rules import TimestampRules
 
 VOCAB, FIRST, EOS, BEGIN = 120, 100, 97, 3  # ids FIRST.. are timestamps; FIRST - 1 is <|notimestamps|>
 

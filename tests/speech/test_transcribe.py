@@ -65,7 +65,7 @@ def test_the_universal_assistant_is_accepted(whisper_base, clip):
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_the_self_draft_runs_the_quantized_decoder_and_is_accepted(whisper_base, clip, scheme):
-    from assistgen.backends.torch.quantize import QuantizedLinear
+    from assistgen.backends.torch.quantized_layers import QuantizedLinear
 
     out = transcribe(whisper_base, clip, language="en", self_draft=True, draft_weights=scheme, schedule=Constant(k=3))
     copy = whisper_base.drafting[scheme]
@@ -135,7 +135,7 @@ def test_an_assistants_encoder_is_priced_before_it_runs(whisper_base, whisper_ti
 
 
 def test_the_assistant_drafts_in_int8_by_default(whisper_base, whisper_tiny_en, clip):
-    from assistgen.backends.torch.quantize import Int8Linear
+    from assistgen.backends.torch.quantized_layers import Int8Linear
 
     out = transcribe(whisper_base, clip, language="en", assistant=whisper_tiny_en, schedule=Constant(k=3))
     assert out.stats.drafted_tokens > 0
@@ -267,7 +267,7 @@ def test_audio_over_the_limit_is_refused(whisper_base, clip):
 def test_the_decoders_linear_routes_are_tuned_per_row_count(whisper_base):
     """Whether the small-row transform pays is this CPU's answer; the mechanism is tested on every CPU: where it was
     not applied no layer is swapped and no routes are recorded, and a model forced to take it tunes its routes."""
-    from assistgen.backends.torch.transforms import SmallRowsLinear, applied_routes
+    from assistgen.backends.torch.small_rows import SmallRowsLinear, applied_routes
     from assistgen.speech.transcribe import load_speech_model
 
     model = whisper_base

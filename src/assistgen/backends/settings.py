@@ -22,7 +22,7 @@ import torch
 
 from assistgen.backends.budget import parse_budget
 from assistgen.backends.embedded import ModelLoadError
-from assistgen.backends.llamacpp.model import LlamaSettings
+from assistgen.backends.llamacpp.settings import LlamaSettings
 
 BACKENDS = ("auto", "torch", "llama.cpp")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the names --dtype takes

@@ -191,7 +191,8 @@ def model_rows() -> list[dict]:
     """`assistgen models`' rows: every embedded model, text (`EMBEDDED`) and speech (`SPEECH`), with its kind, whether
     its packages are installed, whether it is converted in the cache (a text model's float32 folder, a Whisper's
     transformers folder) and the quantized copies kept there (text models: speech drafters quantize in memory)."""
-    from assistgen.backends.torch.quantize import SCHEMES, is_saved
+    from assistgen.backends.torch.quantization_schemes import SCHEMES
+    from assistgen.backends.torch.quantize import is_saved
     from assistgen.paths import cache_root
 
     rows = []

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from assistgen.backends.settings import BACKENDS, DTYPES, LoadSettings
-from assistgen.backends.torch.quantize import SCHEMES
+from assistgen.backends.torch.quantization_schemes import SCHEMES
 from assistgen.config import ConfigError, Structure
 
 DEFAULT_MODEL = "smollm2-135m"  # the text model a command loads without --model

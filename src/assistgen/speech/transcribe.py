@@ -3,7 +3,7 @@
 Contract: `transcribe(model, audio, ...)` reads the audio (`audio.read_audio`) and decodes it as transformers'
 `generate()` does: audio of at most 30 s in one window without timestamps (short-form), unless `timestamps` are
 asked for; longer audio, or any with `timestamps`, by transformers' sequential long-form decoding (`split_segments`):
-a 30 s window from the current frame, decoded with Whisper's timestamp rules (`heard.TimestampRules`), cut into
+a 30 s window from the current frame, decoded with Whisper's timestamp rules (`whisper_rules.TimestampRules`), cut into
 segments at each pair of timestamps, the next window starting at the last pair (or after the window, where it ends
 on a single timestamp), each window's decoder prompt holding the `prompt` text (or, with `condition_on_previous`,
 the segments so far). Each window runs the encoder once (`SpeechModel.listen`) and the generation loop

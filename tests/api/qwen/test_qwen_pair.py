@@ -8,7 +8,8 @@ import pytest
 
 from assistgen import generate, load_model
 from assistgen.api import encode_prompt
-from assistgen.backends.torch.quantize import QuantizedLinear, row_independent
+from assistgen.backends.torch.quantize import row_independent
+from assistgen.backends.torch.quantized_layers import QuantizedLinear
 from assistgen.policy.rules import Constant
 
 PROMPTS = [

@@ -26,10 +26,12 @@ from pathlib import Path
 from assistgen.backends.budget import check_model_budget, resident
 from assistgen.backends.embedded import EMBEDDED, ModelLoadError, say
 from assistgen.backends.llamacpp.convert import converted_gguf
+from assistgen.backends.llamacpp.exactness import kernel_switch
 from assistgen.backends.llamacpp.gguf import tensor_sizes
 from assistgen.backends.llamacpp.guard import check_cpu
 from assistgen.backends.llamacpp.kernels import kernel_families, load_backends
-from assistgen.backends.llamacpp.model import DEFAULT_CONTEXT, LlamaModel, LlamaSettings, cell_bytes, kernel_switch
+from assistgen.backends.llamacpp.model import LlamaModel, cell_bytes
+from assistgen.backends.llamacpp.settings import DEFAULT_CONTEXT, LlamaSettings
 from assistgen.config import DEFAULT_PREFIX_CACHE
 from assistgen.paths import cache_root, replaced_atomically, safe_name
 

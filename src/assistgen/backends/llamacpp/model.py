@@ -1,7 +1,8 @@
 """The llama.cpp backend's model and caches: a GGUF file run by llama.cpp's kernels behind the seam.
 
 Contract: `LlamaModel` implements `backends.base.LanguageModel` over one llama.cpp model and one context
-(llama-cpp-python's low-level API). The context holds `settings.sequences` sequences that share one
+(llama-cpp-python's low-level API), built as its `LlamaSettings` (`settings.py`) say. The context holds
+`settings.sequences` sequences that share one
 pool of KV cells (a unified KV buffer: a fork is a metadata copy): `settings.context` for the running sequences and
 `settings.kept_bytes` more for finished ones kept for prefix reuse; one sequence holds at most `settings.context`
 positions. Each `LlamaCache` owns one sequence id, taken from the model's pool when it is made and given back (its
@@ -10,7 +11,7 @@ cells always go after the last cell it holds, so its cells lie in the order of t
 sequences did: attention sums over cells in cell order, so a sequence's logits do not depend on what shares the
 pool. When no free cell lies after a sequence's last one, every sequence is packed down (`_compact`: saved and
 restored through llama.cpp's sequence state, bits unchanged, order kept) and the pass retried once.
-`feed_together` is one `llama_decode` over a `llama_batch` that holds every feed's rows, each
+`feed_together` is one `llama_decode` over a `llama_batch` (`batch.py`) that holds every feed's rows, each
 with its own sequence id and positions, logits asked only for the rows kept, on the row-exact kernels where the
 build has them (`row_exact`); a feed with rows that need no logits (a prompt) is decoded alone first, on the
 fastest kernels unless `settings.exact_prompts`. It returns the logits as float32
@@ -19,7 +20,8 @@ context, more live sequences than the context was built for, or a pool of KV cel
 `LlamaCapacityError` (a ValueError) naming the setting that raises the bound; nothing is fed then. Calls
 into llama.cpp are serialized by one process-wide lock. The tokenizer is a
 Hugging Face tokenizer built from the same GGUF (`loading.py` checks it against llama.cpp's own).
-It cannot run its first N layers as a model of their own (no `first_layers`); it is `exact` when row-exact (above).
+It cannot run its first N layers as a model of their own (no `first_layers`); it is `exact` when row-exact (above;
+`exactness.py` says why not, and warns).
 """
 
 from __future__ import annotations
@@ -29,59 +31,19 @@ import hashlib
 import platform
 import threading
 import time
-import warnings
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from assistgen.backends.base import LONG_K, MAX_K, Capabilities, Feed, synced
-from assistgen.backends.llamacpp.guard import check_cpu, exact_rows, not_row_exact
-from assistgen.backends.llamacpp.kernels import library_identity, row_exact_switch
+from assistgen.backends.base import LONG_K, Capabilities, Feed, synced
+from assistgen.backends.llamacpp.batch import _Batch, _groups
+from assistgen.backends.llamacpp.exactness import inexact_reason, kernel_switch, warn_inexact
+from assistgen.backends.llamacpp.guard import check_cpu, exact_rows
+from assistgen.backends.llamacpp.kernels import library_identity
+from assistgen.backends.llamacpp.settings import LlamaCapacityError, LlamaSettings
 from assistgen.backends.machine import cpu_name
-
-
-class LlamaCapacityError(ValueError):
-    """A feed beyond what the llama.cpp context was built for (positions, sequences or KV cells)."""
-
-
-@dataclass(frozen=True)
-class LlamaSettings:
-    """How the llama.cpp context is built; every default lives here."""
-
-    context: int | None = None  # KV cells shared by all sequences; None: min(the model's trained context, 4096)
-    sequences: int = 32  # sequences that can live at once (requests and their forks, drafts included)
-    threads: int | None = None  # None: OMP_NUM_THREADS when set (Ray sets it per replica), else this process's CPUs
-    # On `make llamacpp`'s build (its patch: a switch to ggml's reference CPU kernels for a pass), a feed that asks
-    # logits for every row it adds (a verification, a decoding step) is computed by kernels that give each row the
-    # same bits whatever shares its pass; a feed with rows that need no logits (a prompt) goes through ggml's
-    # fastest kernels, alone in its pass, so the cells it leaves depend on its own tokens only. exact_prompts=True
-    # computes prompts row-exactly too (slower prefill; the cells then equal a token-by-token feed's).
-    repack: bool = True  # llama.cpp's repacked weight layouts (faster one-row and prompt kernels)
-    flash_attention: bool = True  # without it a row depends on where its sequence's cells lie in the shared buffer
-    exact_prompts: bool = False
-    ubatch: int = 512  # rows llama.cpp computes at once (a longer feed is split)
-    # Bytes the model may keep resident (`backends.budget`): the weights stay memory-mapped from the file and are never
-    # copied (repack off: repacked layouts are anonymous copies), so what does not fit is read again per pass.
-    max_memory: int | None = None
-    # Bytes of KV cells the pool holds beyond `context`, for finished sequences kept for prefix reuse
-    # (`core.prefix.PrefixCache`), so that the running sequences keep at least `context` cells; "auto": the server's
-    # default prefix cache (config.DEFAULT_PREFIX_CACHE, or one full context where that is more).
-    kept_bytes: int | str = 0
-    # For a transformers folder or hub id: the GGUF type it is converted to on first use (`convert.GGUF_TYPES`:
-    # q4_k_m, q8_0, ...; None: "auto", its own 16-bit type). A GGUF file runs as its own types.
-    quantize: str | None = None
-
-    def thread_count(self) -> int:
-        import os
-
-        given = os.environ.get("OMP_NUM_THREADS", "")
-        return self.threads or (int(given) if given.isdigit() and int(given) > 0 else len(os.sched_getaffinity(0)))
-
-
-DEFAULT_CONTEXT = 4096
 
 
 class LlamaModel:
@@ -344,79 +306,7 @@ class LlamaCache:
         return synced(self, ids, keep_last)
 
 
-class _Batch:
-    """A `llama_batch` over arrays this module owns (one sequence id per row), filled without a Python loop."""
-
-    def __init__(self, lib, capacity: int):
-        self.capacity = capacity
-        self.token = np.zeros(capacity, np.int32)
-        self.pos = np.zeros(capacity, np.int32)
-        self.n_seq_id = np.ones(capacity, np.int32)
-        self.seq = np.zeros(capacity, np.int32)
-        self.logits = np.zeros(capacity, np.int8)
-        seq_base = self.seq.ctypes.data
-        self.seq_ptrs = (ctypes.POINTER(ctypes.c_int32) * capacity)(
-            *(ctypes.cast(seq_base + 4 * i, ctypes.POINTER(ctypes.c_int32)) for i in range(capacity)))
-        self.struct = lib.llama_batch()
-        self.struct.token = self.token.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-        self.struct.embd = None
-        self.struct.pos = self.pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-        self.struct.n_seq_id = self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-        self.struct.seq_id = ctypes.cast(self.seq_ptrs, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)))
-        self.struct.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
-        self.rows = 0
-
-    def fill(self, rows: list[tuple[int, int, list[int], int]]) -> None:
-        """rows: (sequence id, first position, token ids, how many of the last rows need logits)."""
-        at = 0
-        for seq, start, ids, keep in rows:
-            n = len(ids)
-            self.token[at:at + n] = ids
-            self.pos[at:at + n] = np.arange(start, start + n, dtype=np.int32)
-            self.seq[at:at + n] = seq
-            self.logits[at:at + n - keep] = 0
-            self.logits[at + n - keep:at + n] = 1
-            at += n
-        self.rows = at
-        self.struct.n_tokens = at
-
-
 _LOCK = threading.Lock()  # llama.cpp contexts are not thread-safe, and the kernel switch is process-wide
-
-
-def inexact_reason(switch, settings: LlamaSettings, rows: int | None = None, probe: dict | None = None) -> str:
-    """Why a model on this library and settings is not row-exact, with the fix ("" when it is); `rows`: how many
-    rows of one pass the start-up kernel check saw kept exact on this CPU (`probe` its record; None: unchecked)."""
-    if switch is not None and rows is not None and rows < 1 + MAX_K:
-        culprits = ", ".join(not_row_exact(probe or {}))
-        return (f"on this CPU the start-up kernel check found kernels that give a row of a wide pass other bits than "
-                f"a one-row pass ({culprits}), so assisted greedy output can differ from plain decoding; please report "
-                "it with `assistgen info`'s output")
-    if switch is None:
-        return ("this llama.cpp library has no row-exact kernel switch (a stock llama-cpp-python build): passes run on "
-                "ggml's fast kernels, whose rounding depends on the rows beside a token, so assisted greedy output can "
-                "differ from plain decoding; install the patched libraries (`pip uninstall llama-cpp-python`, then "
-                "`pip install 'assistgen[llamacpp]'`, which builds assistgen-llama-cpp; or `make llamacpp`)")
-    if not settings.flash_attention:
-        return ("flash attention is off: a row's attention depends on where its sequence's cells lie in the shared "
-                "pool, so assisted greedy output can differ from plain decoding; leave flash_attention on")
-    return ""
-
-
-_WARNED: set[str] = set()
-
-
-def warn_inexact(reason: str) -> None:
-    """Say once per process and reason that greedy output is not guaranteed to be plain decoding's."""
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(f"assistgen: greedy output is not exact on this model: {reason}.", RuntimeWarning, stacklevel=3)
-
-
-def kernel_switch(lib):
-    """The function that turns ggml's row-exact CPU kernels on or off for the passes that follow (the one that
-    `make llamacpp`'s patch adds to ggml's CPU backend), or None on a build without it."""
-    return row_exact_switch(Path(lib._lib._name).resolve().parent)
 
 
 def cell_bytes(lib, model_ptr) -> int:
@@ -434,19 +324,6 @@ def cell_bytes(lib, model_ptr) -> int:
     kv_heads = lib.llama_model_n_head_kv(model_ptr)
     head = lib.llama_model_n_embd(model_ptr) // max(1, heads)
     return 2 * layers * kv_heads * ((meta("attention.key_length") or head) + (meta("attention.value_length") or head))
-
-
-def _groups(feeds: list[Feed], capacity: int) -> list[list[Feed]]:
-    """Feeds split into runs whose rows fit one batch (each feed is below the context, so below a batch)."""
-    groups: list[list[Feed]] = []
-    rows = 0
-    for feed in feeds:
-        if not groups or rows + len(feed[1]) > capacity:
-            groups.append([])
-            rows = 0
-        groups[-1].append(feed)
-        rows += len(feed[1])
-    return groups
 
 
 def _free(lib, model_ptr, context_ptr, batch) -> None:

@@ -3,9 +3,10 @@
 Contract: `HeardModel` is a `backends.base.LanguageModel` over a `speech.SpeechModel`'s decoder and one input's
 cross-attention keys and values (`speech.Encoded`); `SpeechCache` holds one decoder sequence's self-attention keys
 and values in preallocated buffers written by position (crop is free, fork copies them). The forward pass is
-written here over the Hugging Face module's weights, with transformers' operations in its order (pre-norm layers,
+written here over the Hugging Face module's weights (`decoder_layer`, and `drafting_layer` for a copy for drafting,
+from the operations of `whisper_operations.py`), with transformers' operations in its order (pre-norm layers,
 the query scaled before attention), and its logits carry Whisper's token suppression as `generate()` applies it and,
-with `timestamps`, Whisper's timestamp rules after it (`TimestampRules`: each row judged on the tokens before it, so
+with `timestamps`, Whisper's timestamp rules after it (`whisper_rules.py`: each row judged on the tokens before it, so
 a verification pass's rows are those a one-token-at-a-time decoding would have seen). `speech.py` states the whole
 contract.
 """
@@ -20,80 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from assistgen.backends.base import Capabilities, synced
-from assistgen.backends.torch.quantize import COMPUTE, KERNEL_ROWS
 from assistgen.backends.torch.timing import clock, measurement_key
+from assistgen.backends.torch.whisper_operations import attention, heads, norm, product
+from assistgen.backends.torch.whisper_rules import TimestampRules, suppression
 
 DRAFTING_FORWARD = "2"  # a copy for drafting's forward pass (`drafting_layer`): its measured costs are keyed by it
 DRAFT_VOCABULARY = 16384  # the token ids a drafter's head computes (`HeardModel.draft_vocabulary`)
-
-
-def heads(x: torch.Tensor, n: int) -> torch.Tensor:
-    """[1, t, d] -> [1, n, t, d/n]."""
-    return x.view(1, x.shape[1], n, -1).transpose(1, 2).contiguous()
-
-
-def suppression(speech, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Boolean [vocab] masks of the tokens suppressed everywhere and at the first generated position."""
-    always, first = torch.zeros(vocab, dtype=torch.bool), torch.zeros(vocab, dtype=torch.bool)
-    always[[t for t in (speech.generation.suppress_tokens or []) if t < vocab]] = True
-    first[[t for t in (speech.generation.begin_suppress_tokens or []) if t < vocab]] = True
-    return always.to(device), first.to(device)
-
-
-@dataclass(frozen=True)
-class TimestampRules:
-    """Whisper's timestamp rules, as transformers' `WhisperTimeStampLogitsProcessor` applies them to a row of logits
-    (after the suppression) given the generated tokens before it: <|notimestamps|> never; timestamps come in pairs
-    (after one timestamp that follows text, only a timestamp or the end; after two, no timestamp); they never decrease,
-    and one that closes a pair may repeat the opening one but no other may repeat; the first token is a timestamp, at
-    most `max_initial` steps in; and where the timestamps together are more likely than the likeliest text token, only a
-    timestamp."""
-
-    first: int  # the first timestamp token, <|0.00|> (<|notimestamps|> + 1); every later id is a timestamp
-    eos: int  # the end token: the text tokens are the ids below it
-    max_initial: int | None  # the latest timestamp the first generated token may be (None: any)
-
-    @classmethod
-    def of(cls, speech) -> TimestampRules:
-        """A `speech.SpeechModel`'s rules (its generation config's)."""
-        generation = speech.generation
-        return cls(speech.first_timestamp, int(generation.eos_token_id),
-                   getattr(generation, "max_initial_timestamp_index", None))
-
-    def apply(self, logits: torch.Tensor, generated: list[list[int] | None]) -> torch.Tensor:
-        """logits [rows, vocab] float32, in place; generated[i]: the generated tokens before row i (None: a row of the
-        decoder prompt, left as it is: those come first)."""
-        judged = next((i for i, seq in enumerate(generated) if seq is not None), len(generated))
-        if judged == len(generated):
-            return logits
-        view, inf = logits[judged:], float("-inf")  # [rows judged, vocab]
-        for row, seq in zip(view, generated[judged:], strict=True):
-            text, other, lowest, highest = self.bounds(seq, row.shape[-1])
-            if not text:
-                row[: self.eos if other else self.first] = inf
-            row[self.first - 1] = inf  # <|notimestamps|>
-            row[self.first: lowest] = inf
-            row[highest:] = inf
-        logprobs = torch.log_softmax(view, dim=-1)
-        timestamp = logprobs[:, self.first:].logsumexp(-1) > logprobs[:, : self.first].amax(-1)  # [rows judged]
-        for i in timestamp.nonzero().flatten().tolist():  # (the rows where only a timestamp may come)
-            view[i, : self.first] = inf
-        return logits
-
-    def bounds(self, seq: list[int], vocab: int) -> tuple[bool, bool, int, int]:
-        """(text allowed, the other ids below the timestamps allowed, the lowest timestamp allowed, the one after the
-        highest) for the row after `seq`."""
-        first = self.first
-        if not seq:  # the first token: a timestamp, at most `max_initial` steps in
-            return False, False, first, vocab if self.max_initial is None else min(vocab, first + self.max_initial + 1)
-        last = seq[-1] >= first
-        penultimate = len(seq) < 2 or seq[-2] >= first
-        if last and penultimate:  # a pair just closed (or the first token was a timestamp): text or the end next
-            return True, True, first, first
-        latest = next((t for t in reversed(seq) if t >= first), None)
-        if last:  # a pair just opened: its closing timestamp (the same time, or later) or the end next
-            return False, True, latest, vocab
-        return True, True, first if latest is None else latest + 1, vocab  # (no timestamp earlier than the last one)
 
 
 @dataclass(eq=False)
@@ -203,7 +136,7 @@ class HeardModel:
         return clock(self.device)
 
     def fingerprint(self, *extra: str) -> str:
-        from assistgen.backends.torch.transforms import applied_routes
+        from assistgen.backends.torch.small_rows import applied_routes
 
         return measurement_key(self.speech, f"decoder_layers={len(self.blocks)}", "kind=speech",
                                f"routes={applied_routes(self.speech.hf)}", f"head={self.head_rows}",
@@ -299,32 +232,6 @@ class HeardModel:
         total = sum(per_layer) + head
         return [(sum(per_layer[:n]) + drafts) / total for n in range(1, len(per_layer))]
 
-
-class HeadRows(torch.nn.Module):
-    """Some rows of an output head [rows, d] as a layer: [n, d] -> [n, rows] (`rows_product`)."""
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.register_buffer("weight", weight)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return rows_product(self.weight, h)
-
-
-def rows_product(weight: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """h @ W.T for a few rows [n, d] as (W @ h.T).T, one row padded to two (the small-row route: a drafter's head)."""
-    padded = torch.cat([h, torch.zeros_like(h)]) if h.shape[0] == 1 else h.contiguous()
-    return (weight @ padded.T).T[: h.shape[0]]
-
-
-def attention(attn, h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> torch.Tensor:
-    """Whisper's attention for queries from `h` [1, n, d] over keys/values [1, heads, t, d_h] (query scaled first,
-    as transformers does)."""
-    q = heads(attn.q_proj(h) * attn.scaling, attn.num_heads)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0)  # [1, heads, n, d_h]
-    return attn.out_proj(out.transpose(1, 2).reshape(h.shape))
-
-
 def decoder_layer(layer, h: torch.Tensor, cache: SpeechCache, i: int, start: int, mask, cross) -> torch.Tensor:
     """One pre-norm decoder layer: self-attention over the cache, cross-attention over the input, feed-forward."""
     x = layer.self_attn_layer_norm(h)
@@ -356,20 +263,6 @@ def drafting_layer(layer, h: torch.Tensor, cache: SpeechCache, i: int, start: in
     h = h + product(cross_attn.out_proj, out.transpose(0, 1).reshape(n, d))
     x = norm(layer.final_layer_norm, h)
     return h + product(layer.fc2, layer.activation_fn(product(layer.fc1, x)))
-
-
-def norm(layer_norm, h: torch.Tensor) -> torch.Tensor:
-    return F.layer_norm(h, layer_norm.normalized_shape, layer_norm.weight, layer_norm.bias, layer_norm.eps)
-
-
-def product(layer, x: torch.Tensor) -> torch.Tensor:
-    """A quantized layer's x W^T + b for rows x [n, in] float32 -> [n, out] float32: its kernel called directly (its
-    own forward beyond the kernel's rows)."""
-    if x.shape[0] > KERNEL_ROWS:
-        return layer(x)
-    out = layer.matmul(x.to(COMPUTE)).float()
-    return out if layer.bias is None else out + layer.bias
-
 
 class SpeechCache:
     """One decoder sequence's self-attention keys and values ([1, heads, capacity, d_h] per layer, written by

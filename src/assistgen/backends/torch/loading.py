@@ -58,7 +58,8 @@ def load(
     Loading only: the optimization step (`transforms.optimize`) and the policy's measurements are separate
     explicit steps (`assistgen.api.prepare`).
     """
-    from assistgen.backends.torch.quantize import check_scheme, is_saved, load_quantized, save_quantized
+    from assistgen.backends.torch.quantization_schemes import check_scheme
+    from assistgen.backends.torch.quantize import is_saved, load_quantized, save_quantized
     from assistgen.backends.torch.quantize import quantize as quantize_model
 
     if not isinstance(spec, str) or not spec.strip():

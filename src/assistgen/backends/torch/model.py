@@ -35,7 +35,7 @@ class Model(OnDevice):
     cache_key: str | None = None  # stable identity (alias, path, hub id) for on-disk measurements; None: in-memory
     quantization: str | None = None  # "int8" | "int4" when loading quantized it
     quantized_layers: dict | None = None  # {module name: spec} of the quantized modules (what save_quantized writes)
-    routes: dict | None = None  # the small-row linear routes' record (`transforms.tune_routes`), when applied
+    routes: dict | None = None  # the small-row linear routes' record (`small_rows.tune_routes`), when applied
     max_memory: int | None = None  # the budget its weights were offloaded under (`offload.py`), bytes; None: none
     has_layers: bool = field(init=False)  # its decoder layers are found (`layers.py`): early exit can run
     backend = "torch"
@@ -102,7 +102,8 @@ class Model(OnDevice):
     def set_up(self) -> tuple[str, ...]:
         """What timings depend on beyond the model and machine: quantization, linear routes, attention, KV layout, and
         the budget its weights are offloaded under."""
-        from assistgen.backends.torch.transforms import applied_routes, grouped_attention_applied
+        from assistgen.backends.torch.attention import grouped_attention_applied
+        from assistgen.backends.torch.small_rows import applied_routes
 
         padded = self.routes.get("padded") if self.routes else None
         budget = (f"max_memory={self.max_memory}",) if self.max_memory else ()  # (measured in the budget's conditions)
@@ -122,7 +123,7 @@ class Model(OnDevice):
     def describe(self) -> dict[str, Any]:
         """What loading and the transforms chose (`backends.base`): dtype, quantization, and on the CPU, where the
         small-row linear routes are tuned, their record (None: not applied) and where it is cached."""
-        from assistgen.backends.torch.transforms import routes_path
+        from assistgen.backends.torch.small_rows import routes_path
 
         out = {"dtype": str(self.dtype).removeprefix("torch."), "quantization": self.quantization}
         if self.routes or self.device.type == "cpu":

@@ -1,29 +1,16 @@
 """Weight-only int8 / int4 quantization as a module swap, the way gpt-fast's `quantize.py` does it.
 
 Contract: `quantize(model, scheme)` walks a loaded model (`model.Model`) once and swaps every `nn.Linear` (the output
-head included) for an `Int8Linear` or `Int4Linear` and the input embedding for an `Int8Embedding`;
-each is a small module with its own buffers, and the floating-point weights are freed as it goes.
-Activations stay floating point (the model's dtype); a quantized layer casts its input rows to
-bfloat16 for PyTorch's CPU kernels and its output back.
+head included) for an `Int8Linear` or `Int4Linear` and the input embedding for an `Int8Embedding`
+(`quantized_layers.py`; the schemes' encodings are `quantization_schemes.py`'s); each is a small module with its own
+buffers, and the floating-point weights are freed as it goes. The embedding is int8 with one scale per token (the
+same tensors as the head when the model ties them and the scheme is int8); a scaled embedding (Gemma's
+`embed_scale`) keeps its factor. `quantization_specs` says what will be swapped, refusing a model it cannot quantize
+(`QuantizeError`) before anything changes; `quantized_linear` quantizes one layer; `row_independent(layer)` checks
+that each row of a product is bitwise that row alone.
 
-  - int8: symmetric, one scale per output channel; `torch.ops.aten._weight_int8pack_mm`.
-  - int4: asymmetric, groups of 128 (64, 32 where the input width needs it) along the input,
-    bf16 scale and zero per group, as gpt-fast; `torch.ops.aten._weight_int4pack_mm_for_cpu` on
-    the layout of `_convert_weight_to_int4pack_for_cpu`.
-  - embedding: int8 with one scale per token (the same tensors as the head when the model ties
-    them and the scheme is int8); a scaled embedding (Gemma's `embed_scale`) keeps its factor.
-
-Exactness: both kernels are row-independent (a row's result is bitwise the same alone or among
-other rows), which is what makes greedy assisted decoding equal plain decoding with no near-tie
-exception. They are used for up to `KERNEL_ROWS` rows, which covers every decoding and
-verification step (at most 1 + `gain.MAX_K` rows); above that (a long prompt's prefill, the same forward
-in plain and assisted decoding) a layer dequantizes its weight to bfloat16 and runs one matrix
-product, which is faster for many rows. `row_independent(layer)` checks the property.
-
-Device: the kernels used here are CPU kernels (`_weight_int4pack_mm_for_cpu` and its packing have no
-GPU form; PyTorch has a CUDA `_weight_int8pack_mm`, but its row independence is not checked here), so
-`quantize` refuses weights that are not on the CPU with a `DeviceError` naming the way out
-(quantize on the CPU, or run the unquantized model in bfloat16 on the GPU).
+Device: the kernels are CPU kernels, so `quantize` refuses weights that are not on the CPU with a `DeviceError`
+naming the way out (quantize on the CPU, or run the unquantized model in bfloat16 on the GPU).
 
 The scheme and what was swapped are kept in the model's fields (`quantization`, `quantized_layers`).
 `save_quantized` / `load_quantized` keep a quantized model on disk (a state dict next to the
@@ -33,222 +20,23 @@ quantized buffers directly: no floating-point copy of the weights is ever made a
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from assistgen.backends.base import MAX_K
 from assistgen.backends.torch.devices import require_cpu
 from assistgen.backends.torch.model import Model
-from assistgen.backends.torch.transforms import replace_module
+from assistgen.backends.torch.quantization_schemes import QuantizeError, check_scheme, group_size, int4_block, int8_rows
+from assistgen.backends.torch.quantized_layers import Int4Linear, Int8Embedding, Int8Linear, QuantizedLinear
+from assistgen.backends.torch.swap import replace_module
 from assistgen.paths import replaced_atomically
 
-SCHEMES = ("int8", "int4")
-KERNEL_ROWS = 128  # rows up to which the row-independent kernels run (every decoding and verification step);
-# above, dequantizing the layer once and one bf16 product is faster (docs/benchmarks.md, prefill)
-GROUP_SIZES = (128, 64, 32)  # int4 group size: the largest that divides the layer's input width
 FORMAT = 1  # version of the on-disk layout below
-COMPUTE = torch.bfloat16  # what the kernels take as activations
-
-
-class QuantizeError(ValueError):
-    """The model or the scheme cannot be quantized; the message names what is supported."""
-
 
 ON_GPU = ("quantize on the CPU (load_model(spec, quantize=..., device='cpu')), or on a GPU load the model "
           "unquantized in bfloat16 (load_model(spec, dtype=torch.bfloat16, device='cuda')).")
-
-
-def check_scheme(scheme: str | None) -> str | None:
-    if scheme in (None, "", "none"):
-        return None
-    if scheme not in SCHEMES:
-        raise QuantizeError(f"Unknown quantization {scheme!r}: supported are {', '.join(SCHEMES)} (weight-only), "
-                            "or none for the model's own floating-point weights.")
-    return scheme
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# int8, one scale per output row
-
-
-CHUNK = 8192  # rows quantized at a time: bounds the float temporaries of a large head
-
-
-@torch.no_grad()
-def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [out, in] float -> (int8 [out, in], bf16 scales [out]) with W ≈ q * scale."""
-    if weight.shape[0] > CHUNK:
-        parts = [int8_rows(w) for w in weight.split(CHUNK)]
-        return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
-    scales = (weight.abs().amax(dim=1).float() / 127).clamp(min=1e-12).to(COMPUTE)
-    q = torch.round(weight.float() / scales.float()[:, None]).clamp(-128, 127).to(torch.int8)
-    return q, scales
-
-
-class QuantizedLinear(torch.nn.Module):
-    """y = x W^T + b with W held quantized; subclasses give `matmul` (the kernel) and `dequantized`."""
-
-    in_features: int
-    out_features: int
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., in] -> [..., out] in x's dtype: the kernel for up to KERNEL_ROWS rows, else one bf16 product."""
-        flat = x.reshape(-1, self.in_features).to(COMPUTE)  # [rows, in]
-        out = self.matmul(flat) if flat.shape[0] <= KERNEL_ROWS else F.linear(flat, self.dequantized())
-        out = out.to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-    def matmul(self, flat: torch.Tensor) -> torch.Tensor:  # [rows, in] bf16 -> [rows, out] bf16
-        raise NotImplementedError
-
-    def dequantized(self) -> torch.Tensor:  # [out, in] bf16
-        raise NotImplementedError
-
-
-class Int8Linear(QuantizedLinear):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
-        self.register_buffer("scales", torch.empty(out_features, dtype=COMPUTE, device=device))
-        self.register_buffer("bias", torch.empty(out_features, device=device) if bias else None)
-
-    def dequantized(self) -> torch.Tensor:  # [out, in] bf16
-        return self.weight.to(COMPUTE, copy=True).mul_(self.scales[:, None])  # in place: one fresh buffer
-
-    def matmul(self, flat: torch.Tensor) -> torch.Tensor:  # [rows, in] bf16 -> [rows, out] bf16
-        return torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# int4, groupwise along the input
-
-
-def group_size(in_features: int) -> int | None:
-    return next((g for g in GROUP_SIZES if in_features % g == 0), None)
-
-
-@torch.no_grad()
-def int4_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [out, in] float -> (q int32 in 0..15 [out, in], bf16 scale/zero [in/group, out, 2]),
-    W ≈ (q - 8) * scale + zero per group (gpt-fast's asymmetric scheme)."""
-    if weight.shape[0] > CHUNK:
-        parts = [int4_groups(w, group) for w in weight.split(CHUNK)]
-        return torch.cat([q for q, _ in parts]), torch.cat([sz for _, sz in parts], dim=1)
-    out_f, in_f = weight.shape
-    w = weight.float().reshape(out_f, in_f // group, group)
-    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-    scale = ((high - low) / 15).clamp(min=1e-6).to(COMPUTE)
-    zero = (low + 8 * scale.float()).to(COMPUTE)
-    base = zero.float() - 8 * scale.float()  # the value of q = 0 as the kernel computes it
-    q = torch.round((w - base) / scale.float()).clamp(0, 15).to(torch.int32).reshape(out_f, in_f)
-    scale_zero = torch.cat([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [groups, out, 2]
-    return q, scale_zero
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """q int32 [out, in] -> the kernel's uint8 layout [out, in/2] (checked against `unpack_int4`)."""
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    if not torch.equal(unpack_int4(packed, q.shape[0], q.shape[1]), q.to(torch.uint8)):
-        raise QuantizeError("This PyTorch build packs int4 weights in a layout assistgen does not know: use int8.")
-    return packed
-
-
-@functools.cache
-def int4_block() -> int:
-    """The rows per block of this machine's int4 layout (PyTorch's CPU kernel packs by its vector width: 64 rows
-    with AVX-512, 32 with AVX2), found by packing a probe; 0 when neither layout reads it back."""
-    q = (torch.arange(64 * 32, dtype=torch.int32).reshape(64, 32) * 7 + 3).remainder(16)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    return next((b for b in (64, 32) if torch.equal(_unpack(packed, 64, 32, b), q.to(torch.uint8))), 0)
-
-
-def unpack_int4(packed: torch.Tensor, out_f: int, in_f: int) -> torch.Tensor:
-    """The kernel's layout back to q uint8 [out, in]: blocks of B rows (`int4_block`) stored [in, B/2] bytes (low
-    nibble row j, high nibble row B/2 + j), the remaining rows stored [in, rest/2] (low row 2j, high row 2j + 1)."""
-    return _unpack(packed, out_f, in_f, int4_block() or 64)
-
-
-def _unpack(packed: torch.Tensor, out_f: int, in_f: int, block: int) -> torch.Tensor:
-    flat = packed.reshape(-1)
-    full, half = out_f // block * block, block // 2
-    q = torch.empty(out_f, in_f, dtype=torch.uint8)
-    if full:
-        blocks = flat[: full * in_f // 2].view(full // block, in_f, half)  # [blocks, in, block/2]
-        q[:full].view(full // block, block, in_f)[:, :half] = (blocks & 0xF).transpose(1, 2)
-        q[:full].view(full // block, block, in_f)[:, half:] = (blocks >> 4).transpose(1, 2)
-    rest = out_f - full
-    if rest:
-        tail = flat[full * in_f // 2:].view(in_f, rest // 2)  # [in, rest/2]
-        q[full::2] = (tail & 0xF).T
-        q[full + 1::2] = (tail >> 4).T
-    return q
-
-
-class Int4Linear(QuantizedLinear):
-    """int4 groups; the kernel wants a multiple of 16 output rows, so the weight is padded with zero rows
-    to `padded_out` and the product cut back to `out_features`."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, group: int = 128, device=None):
-        super().__init__()
-        self.in_features, self.out_features, self.group = in_features, out_features, group
-        self.padded_out = -(-out_features // 16) * 16
-        self.register_buffer("weight", torch.empty(self.padded_out, in_features // 2, dtype=torch.uint8,
-                                                   device=device))
-        self.register_buffer("scale_zero", torch.empty(in_features // group, self.padded_out, 2, dtype=COMPUTE,
-                                                       device=device))
-        self.register_buffer("bias", torch.empty(out_features, device=device) if bias else None)
-
-    @torch.no_grad()
-    def set_weight(self, weight: torch.Tensor) -> None:
-        """Quantize float W [out, in] into this layer's buffers."""
-        padded = F.pad(weight.float(), (0, 0, 0, self.padded_out - self.out_features))  # [padded_out, in]
-        q, self.scale_zero = int4_groups(padded, self.group)
-        self.weight = pack_int4(q)
-
-    def dequantized(self) -> torch.Tensor:  # [out, in] bf16
-        """(q - 8) * scale + zero, computed in place on one bf16 buffer: every prefill above
-        KERNEL_ROWS pays this for every layer, and fresh [out, in] buffers per operation cost about as much as
-        the arithmetic (docs/benchmarks.md, prefill)."""
-        q = unpack_int4(self.weight, self.padded_out, self.in_features)[: self.out_features].to(COMPUTE, copy=True)
-        q = q.view(self.out_features, -1, self.group)  # [out, groups, group]
-        sz = self.scale_zero[:, : self.out_features]  # [groups, out, 2]
-        scale, zero = (sz[..., i].T[..., None] for i in (0, 1))  # [out, groups, 1] each
-        return q.sub_(8).mul_(scale).add_(zero).view(self.out_features, self.in_features)
-
-    def matmul(self, flat: torch.Tensor) -> torch.Tensor:  # [rows, in] bf16 -> [rows, out] bf16
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, self.group, self.scale_zero)
-        return out if self.padded_out == self.out_features else out[:, : self.out_features]
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group={self.group}"
-
-
-class Int8Embedding(torch.nn.Module):
-    """Token embedding from int8 rows with one scale per token, times `embed_scale` where the model has one."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx=None, embed_scale=None, device=None,
-                 dtype: torch.dtype = torch.float32):
-        super().__init__()
-        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
-        self.register_buffer("weight", torch.empty(num_embeddings, embedding_dim, dtype=torch.int8, device=device))
-        self.register_buffer("scales", torch.empty(num_embeddings, dtype=COMPUTE, device=device))
-        self.dtype = dtype  # what it returns: the model's activations
-        self.embed_scale = embed_scale  # a float or None
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., dim]
-        rows = F.embedding(ids, self.weight).to(self.dtype) * self.scales[ids].to(self.dtype)[..., None]
-        return rows if self.embed_scale is None else rows * torch.tensor(self.embed_scale, dtype=self.dtype)
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # the handler: walks the model once

@@ -7,7 +7,7 @@ each token's own position (vLLM's layout): every linear layer, norm and the outp
 at once, so the weights are streamed once for the whole batch; only attention is per sequence. There
 each sequence's rows read exactly its own keys (the cached ones and its new ones, causally, within a
 sliding window where the layer has one) through the attention the model is configured with
-(transformers' SDPA or assistgen's grouped / row-by-row variant, `transforms.py`), called per
+(transformers' SDPA or assistgen's grouped / row-by-row variant, `attention.py`), called per
 sequence as it would be for that sequence alone. A sequence's result therefore does not depend on
 which others share the pass, up to the linear kernels' summation order for a different row count
 (none with row-independent quantized kernels).

@@ -32,10 +32,11 @@ import torch.nn.functional as F
 
 from assistgen.backends.embedded import ModelLoadError
 from assistgen.backends.torch.devices import OnDevice, model_device
-from assistgen.backends.torch.heard import DRAFT_VOCABULARY, HeadRows, HeardModel, heads
+from assistgen.backends.torch.heard import DRAFT_VOCABULARY, HeardModel
 from assistgen.backends.torch.quantize import quantized_linear
+from assistgen.backends.torch.swap import replace_module
 from assistgen.backends.torch.timing import clock
-from assistgen.backends.torch.transforms import replace_module
+from assistgen.backends.torch.whisper_operations import HeadRows, heads
 
 __all__ = ["DRAFT_VOCABULARY", "SAMPLE_RATE", "WINDOW_S", "Encoded", "HeardModel", "SpeechModel", "load_speech"]
 
@@ -59,7 +60,7 @@ class SpeechModel(OnDevice):
     draft_heads: dict = field(default_factory=dict, repr=False)  # drafters' head rows (`draft_head`)
     quantization: str | None = None  # "int8" / "int4": a copy for drafting (`for_drafting`); None: as loaded
     drafting: dict = field(default_factory=dict, repr=False)  # {scheme: its copy for drafting}, made once
-    routes: dict | None = None  # the small-row linear routes' record (`transforms.tune_routes`), when applied
+    routes: dict | None = None  # the small-row linear routes' record (`small_rows.tune_routes`), when applied
     backend = "torch"
 
     @property
@@ -133,14 +134,14 @@ class SpeechModel(OnDevice):
         return ids
 
     def optimize(self, mode: str = "auto") -> None:
-        """The CPU's small-row linear routes (`transforms.small_rows_linear`) on every linear layer, the route for
-        each row count tuned on this machine by timing the decoder on a second of silence (`transforms.tune_routes`:
+        """The CPU's small-row linear routes (`small_rows.small_rows_linear`) on every linear layer, the route for
+        each row count tuned on this machine by timing the decoder on a second of silence (`small_rows.tune_routes`:
         MKL's product of W with the rows' transpose for one or two rows, oneDNN's packed weights where they measure
         faster; remembered on disk): a verification pass over a few rows then costs little more than one row
         (PyTorch's own linear costs about twice as much for two rows as for one here). Prompts and the encoder (more
         rows than the routes take) keep PyTorch's linear. transformers' `generate()` on this module runs the same
         layers. Its heard models' fingerprints name the routes: what was measured of them before no longer applies."""
-        from assistgen.backends.torch.transforms import small_rows_linear, tune_routes
+        from assistgen.backends.torch.small_rows import small_rows_linear, tune_routes
 
         if self.device.type == "cpu" and mode and \
                 small_rows_linear(self.hf, mode="on" if mode == "on" else "auto", routes="mkl"):
@@ -159,7 +160,7 @@ class SpeechModel(OnDevice):
         `frames`: for a drafter, encode only the first `frames` mel frames instead of the whole 30 s (whisper.cpp's
         reduced audio context: the encoder's cost falls with the audio's length; its drafts may be worse, and the
         target, which always hears the whole window, still decides); `timestamps`: Whisper's timestamp rules apply
-        (`heard.TimestampRules`)."""
+        (`whisper_rules.TimestampRules`)."""
         encoded = Encoded(self, features, frames)
         if not lazy:
             encoded.layers()
