@@ -104,11 +104,11 @@ demo: install
 test:
 	$(MAKE) -j2 install $(LLAMA_WHEEL)
 	$(MAKE) llamacpp
-	$(BIN)/python -m pytest -q tests --ignore=tests/api/qwen --ignore=tests/serving/replicas --ignore=tests/serving/frameworks -m "not slow" --durations=15
+	$(BIN)/python -m pytest -q tests --ignore=tests/api/qwen --ignore=tests/serving/replicas --ignore=tests/serving/frameworks --ignore=tests/serving/qwen -m "not slow" --durations=15
 
 # More of the same chi-squared sampling checks and the int8 real-model check (about 5 minutes).
 test-slow: install llamacpp
-	$(BIN)/python -m pytest -q tests --ignore=tests/api/qwen --ignore=tests/serving/replicas --ignore=tests/serving/frameworks -m slow
+	$(BIN)/python -m pytest -q tests --ignore=tests/api/qwen --ignore=tests/serving/replicas --ignore=tests/serving/frameworks --ignore=tests/serving/qwen -m slow
 
 # Replicas on Ray Serve (`assistgen serve --replicas N`): a local Ray cluster on 127.0.0.1, two replicas.
 test-ray: install llamacpp
@@ -116,11 +116,12 @@ test-ray: install llamacpp
 	$(BIN)/python -m pytest -q tests/serving/replicas --durations=10
 
 # Agent loops through agent frameworks (openai-agents, pydantic-ai, langchain) against the real server on
-# Qwen2.5-Coder-1.5B (tests/serving/frameworks: tasks of benchmarks/agent_loops.py); CI runs it.
+# Qwen2.5-Coder-1.5B (tests/serving/frameworks: tasks of benchmarks/agent_loops.py), and every tool_choice on Qwen2.5's
+# own template, whose call markers are special tokens (tests/serving/qwen, on the 0.5B); CI runs it.
 AGENT_FRAMEWORKS := openai-agents==0.24.0 'pydantic-ai-slim[openai]==2.68.0' langchain-openai==1.8.1
 test-agents: qwen
 	$(BIN)/pip install --quiet $(AGENT_FRAMEWORKS)
-	$(BIN)/python -m pytest -q tests/serving/frameworks --durations=10
+	$(BIN)/python -m pytest -q tests/serving/frameworks tests/serving/qwen --durations=10
 
 # The lower ends of pyproject's ranges: torch 2.11 and transformers 5.17, on Python 3.12, in a venv of their own
 # (.venv-lower). This registry's torch 2.11 is its CUDA build (about 5 GB with its CUDA packages; it runs on the

@@ -1,8 +1,10 @@
 """Shared test helpers: tiny randomly initialised models (built from configs, no downloads), a character
 tokenizer, transformers' greedy decoding and a cache-less loop as references, a small BPE tokenizer, the
 deliberately wrong verification rule the probability tests must catch, the one-sequence verification
-length the loop's optimizer picks, a stand-in model for the policy's tests (`PricedModel`), and the near-tie
-tolerant comparison the GPU tests use. Test modules import from here and from `reference.py` (the library's rules
+length the loop's optimizer picks, a stand-in model for the policy's tests (`PricedModel`), the near-tie
+tolerant comparison the GPU tests use, and the server's: started as a user starts it (`serve`), replies with tool
+calls read whole or streamed (`tool_reply`) and checked (`assert_valid_calls`), bounded fuzzing (`fuzz_for_5xx`,
+`tool_bodies`). Test modules import from here and from `reference.py` (the library's rules
 and checks kept out of the package), never from each other or conftest."""
 
 from __future__ import annotations
@@ -213,16 +215,105 @@ def assert_exact_or_near_tie(model: Model, prompt: list[int], reference: list[in
 
 TOOLS_TEMPLATE = Path(__file__).resolve().parent / "data" / "hermes_tools.jinja"  # (SmolLM2's own template
 # renders no tools: a Hermes-style one that does)
+GEMMA_TOOLS_TEMPLATE = Path(__file__).resolve().parent / "data" / "gemma_tools.jinja"  # (the shipped Gemma-3-270M
+# has no chat template: Gemma-3's turns with Hermes-style calls)
 
 
 def serve_smollm2_with_tools():
     """`assistgen serve` on SmolLM2 (llama.cpp, prompt lookup) with TOOLS_TEMPLATE; yields its URL (a fixture's
     body)."""
-    process, port = start_serve_command("--model", "smollm2-135m", "--backend", "llama.cpp", "--lookup",
-                                        "--chat-template", str(TOOLS_TEMPLATE))
+    yield from serve("smollm2-135m", "--lookup", "--chat-template", str(TOOLS_TEMPLATE))
+
+
+def serve(model: str, *flags: str, timeout: float = 120):
+    """`assistgen serve` on `model` (llama.cpp) with `flags`; yields its URL (a fixture's body), then stops it."""
+    process, port = start_serve_command("--model", model, "--backend", "llama.cpp", *flags, timeout=timeout)
     yield f"http://127.0.0.1:{port}"
     process.terminate()
     process.wait(30)
+
+
+def steps_of(tokenizer, text: str, seed: int) -> list:
+    """The text's tokens as a stream would emit them (`core.state.Chunk`s), 1 to 17 accepted tokens a step, each
+    chunk's text what became decodable with it (as the server's stream decodes: special tokens skipped); the last
+    chunk finishes."""
+    import random
+
+    from assistgen.core.state import Chunk
+
+    ids, rng, chunks, shown, at = tokenizer.encode(text, add_special_tokens=False), random.Random(seed), [], "", 0
+    while at < len(ids):
+        n = rng.randint(1, 17)
+        decoded = tokenizer.decode(ids[: at + n], skip_special_tokens=True)
+        chunks.append(Chunk(ids[at: at + n], decoded[len(shown):]))
+        shown, at = decoded, at + n
+    chunks[-1].finish_reason = "eos"
+    return chunks
+
+
+@dataclass
+class ToolReply:
+    """A chat reply with tools as the openai client gives it, streamed or not: its content, its calls as
+    [name, arguments], its finish reason and the tokens it chose (from its logprobs, where asked)."""
+
+    content: str
+    calls: list[list[str]]
+    finish: str | None
+    tokens: list[str]
+    accepted: int = field(default=0, compare=False)  # draft tokens the server accepted for it (its metrics)
+
+
+def accepted_drafts(metrics: dict | None) -> int:
+    return (metrics or {}).get("speculative_decoding", {}).get("num_accepted_draft_tokens", 0)
+
+
+def tool_reply(client, stream: bool, **request) -> ToolReply:
+    """One chat request (`request`: the create call's arguments), its reply read whole or from its stream."""
+    if not stream:
+        whole = client.chat.completions.create(**request)
+        choice = whole.choices[0]
+        calls = [[c.function.name, c.function.arguments] for c in choice.message.tool_calls or []]
+        tokens = [t.token for t in choice.logprobs.content] if choice.logprobs else []
+        return ToolReply(choice.message.content or "", calls, choice.finish_reason, tokens,
+                         accepted_drafts(whole.model_extra.get("metrics")))
+    reply = ToolReply("", [], None, [])
+    for event in client.chat.completions.create(**request, stream=True):
+        reply.accepted += accepted_drafts((event.model_extra or {}).get("metrics"))
+        if not event.choices:  # (the usage event)
+            continue
+        choice = event.choices[0]
+        reply.content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or []:
+            if delta.id is not None:  # a call starts: index, id, type and name once, then its arguments' fragments
+                assert delta.index == len(reply.calls) and delta.type == "function"
+                reply.calls.append([delta.function.name, ""])
+            reply.calls[delta.index][1] += delta.function.arguments or ""
+        reply.tokens += [t.token for t in choice.logprobs.content] if choice.logprobs else []
+        reply.finish = choice.finish_reason or reply.finish
+    return reply
+
+
+def assert_valid_calls(reply: ToolReply, choice, parallel: bool, schemas: dict[str, dict]) -> None:
+    """The reply honours `tool_choice` and `parallel_tool_calls`: no calls with "none"; with "required" or a
+    function, calls only (of that function), ending the reply unless the token limit cut the last; one at most
+    without `parallel`; every finished call's arguments valid for its tool's schema."""
+    import json
+
+    import jsonschema
+
+    named = choice["function"]["name"] if isinstance(choice, dict) else None
+    if choice == "none":
+        assert not reply.calls and reply.finish in ("stop", "length"), reply
+        return
+    if choice != "auto":
+        assert reply.calls and not reply.content.strip() and reply.finish in ("tool_calls", "length"), reply
+    assert len(reply.calls) <= 1 or parallel, reply
+    finished = reply.calls[:-1] if reply.finish == "length" else reply.calls
+    for name, arguments in finished:
+        assert name in schemas and named in (None, name), reply
+        jsonschema.validate(json.loads(arguments), schemas[name])
+    if reply.calls and reply.finish != "length":
+        assert reply.finish == "tool_calls", reply
 
 
 def openai_client(url: str, key: str):
@@ -238,27 +329,83 @@ def assert_400(response, param: str, words: str) -> None:
     assert error["param"] == param and words in error["message"], error
 
 
-def fuzz_for_5xx(url: str, bodies, base: dict, examples: int) -> dict:
-    """POST `examples` bodies drawn from the hypothesis strategy `bodies` (over `base`) to `url`: each answer must be
-    a 200 or a 4xx with an error message. Returns how many were answered and how many refused."""
+def fuzz_for_5xx(url: str, bodies, base: dict, examples: int, seconds: float | None = None,
+                 named: bool = False) -> dict:
+    """POST `examples` bodies drawn from the hypothesis strategy `bodies` (over `base`) to `url`, for `seconds` at
+    most (the rest drawn and not sent): each answer must be a 200 or a 4xx with an error message (`named`: and the
+    field at fault in its `param`). Returns how many were answered and how many refused."""
+    import time
+
     import httpx
     from hypothesis import HealthCheck, given, settings
 
     seen = {"ok": 0, "refused": 0}
+    deadline = None if seconds is None else time.monotonic() + seconds
     with httpx.Client(timeout=120) as http:
         @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         @given(bodies)
         def check(body):
+            if deadline is not None and time.monotonic() > deadline:
+                return
             response = http.post(url, json={**base, **body})
             assert response.status_code < 500, (body, response.text)
             if response.status_code == 200:
                 seen["ok"] += 1
             else:
-                assert response.json()["error"]["message"], body
+                error = response.json()["error"]
+                assert error["message"] and (error["param"] or not named), (body, error)
                 seen["refused"] += 1
 
         check()
     return seen
+
+
+def tool_bodies(tools: list[dict], ask: list[dict]):
+    """A hypothesis strategy of chat bodies whose `tools`, `tool_choice`, `parallel_tool_calls`, `stream` and messages
+    (with calls and tool results) are anything a client may send: well-formed (`tools`, `ask`) or junk."""
+    from hypothesis import strategies as st
+
+    junk = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.text(max_size=8),
+                     st.lists(st.integers(), max_size=2))
+    schema = st.recursive(
+        st.fixed_dictionaries({}, optional={
+            "type": st.sampled_from(["string", "integer", "number", "boolean", "null", "array", "object", "nope"]),
+            "enum": st.lists(st.one_of(st.text(max_size=4), st.integers()), max_size=3),
+            "pattern": st.sampled_from(["[a-z]+", "(unclosed", "^x$"]), "minLength": st.integers(-1, 3),
+            "$ref": st.sampled_from(["#/nowhere", "#"])}),
+        lambda inner: st.fixed_dictionaries({}, optional={
+            "type": st.sampled_from(["object", "array"]),
+            "properties": st.dictionaries(st.text(max_size=4), inner, max_size=3), "items": inner,
+            "required": st.lists(st.text(max_size=4), max_size=2), "anyOf": st.lists(inner, max_size=2),
+            "additionalProperties": st.one_of(st.booleans(), inner)}),
+        max_leaves=6)
+    names = st.one_of(st.sampled_from([t["function"]["name"] for t in tools] + ["f"]), st.text(max_size=10))
+    tool = st.one_of(
+        st.fixed_dictionaries({"type": st.sampled_from(["function", "function", "web_search"]),
+                               "function": st.fixed_dictionaries({"name": names}, optional={
+                                   "parameters": st.one_of(schema, junk),
+                                   "description": st.one_of(st.text(max_size=8), junk)})}),
+        st.sampled_from(tools), junk)
+    call = st.one_of(st.fixed_dictionaries({"id": st.text(max_size=4), "type": st.just("function"), "function":
+                                            st.fixed_dictionaries({"name": names, "arguments": st.one_of(
+                                                st.sampled_from(['{"city": "Oslo"}', "{}", "{bad", "[1]", '"x"']),
+                                                junk)})}), junk)
+    message = st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "assistant", "tool", "system", "developer", "function",
+                                  "wizard"])},
+        optional={"content": st.one_of(st.text(max_size=12), st.none(), st.lists(
+            st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=6)}),
+            max_size=2)), "tool_calls": st.one_of(
+            st.lists(call, max_size=2), st.integers(), st.booleans(), st.text(max_size=4),
+            st.dictionaries(st.text(max_size=3), junk, max_size=2)), "tool_call_id": st.one_of(
+                st.text(min_size=1, max_size=4), st.text(min_size=1, max_size=4), junk)})
+    return st.fixed_dictionaries(
+        {"messages": st.one_of(st.lists(message, min_size=1, max_size=4),
+                               st.lists(message, max_size=3).map(lambda more: ask + more))},
+        optional={"tools": st.one_of(st.lists(tool, max_size=3), junk),
+                  "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required", "any"]), st.fixed_dictionaries(
+                      {"type": st.just("function"), "function": st.fixed_dictionaries({"name": names})}), junk),
+                  "parallel_tool_calls": junk, "stream": st.booleans()})
 
 
 @dataclass

@@ -1,26 +1,40 @@
 """Tool calls: the call syntax read back from text split into steps of any size (`chat.parser`, the server's
-`CallStream`), calls valid by construction under speculation on the real SmolLM2 (given a Hermes-style template
-with tools, as `--chat-template` gives one), and the server's `tools`, `tool_choice` and `parallel_tool_calls`
-spoken to with the official openai client, errors included."""
+`CallStream`), markers held as special tokens looked up in the tokenizer (named by id in the grammar, read as the
+stream shows them), calls valid by construction under speculation on the real SmolLM2 and Gemma-3 (given templates
+with tools, as `--chat-template` gives one: SmolLM2's own renders none, the shipped Gemma-3 has none), and the
+server's `tools`, `tool_choice` and `parallel_tool_calls` spoken to with the official openai client, every choice
+with and without parallel calls, streamed or not, errors included. (Qwen2.5's template, whose markers are special
+tokens: tests/serving/qwen.)"""
 
 from __future__ import annotations
 
 import json
-import random
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from helpers import TOOLS_TEMPLATE, assert_400, fuzz_for_5xx, openai_client, serve_smollm2_with_tools
-from hypothesis import strategies as st
+from helpers import (
+    GEMMA_TOOLS_TEMPLATE,
+    TOOLS_TEMPLATE,
+    assert_400,
+    assert_valid_calls,
+    fuzz_for_5xx,
+    openai_client,
+    serve,
+    serve_smollm2_with_tools,
+    steps_of,
+    tool_bodies,
+    tool_reply,
+)
 
 from assistgen import Constant, generate, load_model
 from assistgen.chat.grammar import call_structure
 from assistgen.chat.parser import parse_calls
-from assistgen.chat.syntax import HERMES, call_syntax
+from assistgen.chat.syntax import HERMES, CallForm, CallSyntax, call_syntax
 from assistgen.chat.templates import encode_chat, use_chat_template
 from assistgen.chat.tools import Tool
+from assistgen.core.constraint import Constraint
 from assistgen.core.state import Chunk
 from assistgen.serving.jobs import Job
 from assistgen.serving.replies import CallStream, tool_message
@@ -47,17 +61,37 @@ def smol():
     return use_chat_template(model, str(TOOLS_TEMPLATE))
 
 
-def steps_of(tokenizer, text: str, seed: int) -> list[Chunk]:
-    """The text's tokens as a stream would emit them, 1 to 17 accepted tokens a step, each chunk's text what
-    became decodable with it; the last chunk finishes."""
-    ids, rng, chunks, shown, at = tokenizer.encode(text, add_special_tokens=False), random.Random(seed), [], "", 0
-    while at < len(ids):
-        n = rng.randint(1, 17)
-        decoded = tokenizer.decode(ids[: at + n])
-        chunks.append(Chunk(ids[at: at + n], decoded[len(shown):]))
-        shown, at = decoded, at + n
-    chunks[-1].finish_reason = "eos"
-    return chunks
+@pytest.fixture(scope="module")
+def gemma():
+    model = load_model("gemma3-270m", backend="llama.cpp")
+    return use_chat_template(model, str(GEMMA_TOOLS_TEMPLATE))
+
+
+def grammar_accepts(model, structure, tokens: list[int]) -> bool:
+    """Whether the grammar lets these tokens through, one by one."""
+    constraint = Constraint.begin(model, structure, {model.tokenizer.eos_token_id})
+    for token in tokens:
+        if constraint.check([token]) != (1, None):
+            return False
+        constraint.advance([token])
+    return True
+
+
+def read_stream(syntax, chunks: list[Chunk]) -> tuple[str, list[list[str]], list]:
+    """The content, calls ([name, arguments]) and finish reasons `CallStream` gives for a stream's chunks."""
+    stream = CallStream(Job([], None, 0.0, calls=syntax))
+    content, calls, finishes = "", {}, []
+    for chunk in chunks:
+        for delta, finish in stream.read(chunk):
+            content += delta.get("content") or ""
+            for call in delta.get("tool_calls", []):
+                if "id" in call:  # a call starts: index, id, type, name (once), then argument fragments
+                    assert call["index"] not in calls and call["type"] == "function"
+                    calls[call["index"]] = [call["function"]["name"], call["id"]]
+                calls[call["index"]].append(call["function"]["arguments"])
+            finishes.append(finish)
+    assert len({c[1] for c in calls.values()}) == len(calls)  # (an id per call)
+    return content, [[c[0], "".join(c[2:])] for _, c in sorted(calls.items())], finishes
 
 
 def test_calls_read_from_steps_of_1_to_17_tokens_are_the_whole_texts_calls(smol):
@@ -67,20 +101,9 @@ def test_calls_read_from_steps_of_1_to_17_tokens_are_the_whole_texts_calls(smol)
     for seed in range(40):
         chunks = steps_of(smol.tokenizer, TEXT, seed)
         assert parse_calls(HERMES, [c.text for c in chunks]) == whole
-        stream = CallStream(Job([], None, 0.0, calls=HERMES))
-        content, calls, finishes = "", {}, []
-        for chunk in chunks:
-            for delta, finish in stream.read(chunk):
-                content += delta.get("content") or ""
-                for call in delta.get("tool_calls", []):
-                    if "id" in call:  # a call starts: index, id, type, name (once), then argument fragments
-                        assert call["index"] not in calls and call["type"] == "function"
-                        calls[call["index"]] = [call["function"]["name"], call["id"]]
-                    calls[call["index"]].append(call["function"]["arguments"])
-                finishes.append(finish)
-        assert content == whole.content
-        assert [[c[0], "".join(c[2:])] for _, c in sorted(calls.items())] == whole.calls
-        assert len({c[1] for c in calls.values()}) == 2 and finishes[-1] == "tool_calls" and not any(finishes[:-1])
+        content, calls, finishes = read_stream(HERMES, chunks)
+        assert content == whole.content and calls == whole.calls
+        assert finishes[-1] == "tool_calls" and not any(finishes[:-1])
 
 
 FENCED_TEXT = ('Sure.\n```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris", "unit": "celsius"}\n}\n'
@@ -104,18 +127,10 @@ def test_a_call_written_as_a_markdown_json_block_is_read_as_a_call_other_json_st
 
 
 def test_in_auto_a_call_opened_in_any_form_follows_the_schema_and_text_stays_free(smol):
-    from assistgen.core.constraint import Constraint
-
     structure = call_structure(HERMES, [Tool.of(t, "t") for t in TOOLS], "auto")
 
     def accepts(text: str) -> bool:
-        """Whether the grammar lets the text's tokens through, whichever way the text is split into tokens."""
-        constraint = Constraint.begin(smol, structure, {smol.tokenizer.eos_token_id})
-        for token in smol.tokenizer.encode(text, add_special_tokens=False):
-            if constraint.check([token]) != (1, None):
-                return False
-            constraint.advance([token])
-        return True
+        return grammar_accepts(smol, structure, smol.tokenizer.encode(text, add_special_tokens=False))
 
     assert accepts(FENCED_TEXT.split("And")[0]) and accepts('```json\n{"name": "my-app", "version": "1.0"}\n```')
     assert accepts('<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>')
@@ -134,6 +149,15 @@ def test_a_call_cut_by_a_stop_string_does_not_finish_as_tool_calls(smol):
     assert tool_message(done, "stop")[1] == "tool_calls"
 
 
+def test_where_the_output_is_calls_only_a_marker_cut_short_is_no_content():
+    """With "required" or a function, text after the last call is the next call's marker cut by the token limit or a
+    stop string: no content, and the reply ended inside a call (elsewhere it may be text: a reply may end in "```")."""
+    text = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>\n<tool_'
+    parsed = parse_calls(HERMES.for_tools(["get_time"], calls_only=True), text)
+    assert parsed.calls == [["get_time", '{"tz": "UTC"}']] and parsed.content == "" and parsed.unfinished
+    assert parse_calls(HERMES.for_tools(["get_time"]), text).content.strip() == "<tool_"
+
+
 def test_a_tool_without_parameters_takes_an_empty_object():
     for parameters in (None, {}, {"properties": {}}):
         tool = Tool.of({"type": "function", "function": {"name": "now", "parameters": parameters}}, "t")
@@ -147,27 +171,75 @@ def test_a_template_without_tools_has_no_call_syntax_and_refuses_tools():
     assert call_syntax(plain.tokenizer) is None
     with pytest.raises(Exception, match="renders no tools"):
         encode_chat(plain, ASK, TOOLS)
+    bare = load_model("gemma3-270m", backend="llama.cpp")  # (the shipped Gemma-3-270M has no chat template)
+    assert call_syntax(bare.tokenizer) is None
+    with pytest.raises(Exception, match="no chat template"):
+        encode_chat(bare, ASK, TOOLS)
+
+
+# A template that writes its calls between two special tokens that decoding drops (Gemma's unused tokens, as
+# fine-tunes repurpose them): what Qwen2.5's markers would be if its tokenizer skipped them.
+UNUSED = CallSyntax("unused", (CallForm("<unused0>", '\n{"name": "', close="}\n<unused1>"),),
+                    markers=("<unused0>", "<unused1>"))
+
+
+def test_markers_are_special_tokens_where_the_tokenizer_holds_them(smol, gemma):
+    assert call_syntax(smol.tokenizer).specials == () == call_syntax(gemma.tokenizer).specials  # (text to both)
+    ids = gemma.tokenizer.convert_tokens_to_ids(["<unused0>", "<unused1>"])
+    found = UNUSED.for_tokenizer(gemma.tokenizer).specials
+    assert [(s.text, s.token, s.shown) for s in found] == [("<unused0>", ids[0], ""), ("<unused1>", ids[1], "")]
+    assert UNUSED.for_tokenizer(smol.tokenizer).specials == ()  # (SmolLM2 spells them in text tokens)
+    structure = call_structure(UNUSED.for_tokenizer(gemma.tokenizer), [Tool.of(TIME, "t")], "required")
+    assert f"<[{ids[0]}]>" in structure.spec and f"<[{ids[1]}]>" in structure.spec and "unused" not in structure.spec
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("choice,parallel", [("required", True), ("required", False), ("get_time", True),
-                                             ("auto", True)])
-def test_calls_are_valid_for_their_schema_and_exact_with_speculation(smol, choice, parallel):
+def test_a_call_between_special_tokens_the_stream_drops_is_constrained_exact_and_read(gemma):
+    """The grammar names the markers' tokens, in "auto" too; the model writes them, drafting stays exact; the parser
+    reads the call from the text the stream shows (without the markers), in steps of any size."""
+    syntax = UNUSED.for_tokenizer(gemma.tokenizer).for_tools(["get_weather", "get_time"])
+    tools = [Tool.of(t, "t") for t in TOOLS]
+    call = '<unused0>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n<unused1>'
+    encoded = [gemma.tokenizer.encode(text, add_special_tokens=False) for text in (call, "Sure." + call + " Done.")]
+    required, auto = (call_structure(syntax, tools, choice) for choice in ("required", "auto"))
+    assert grammar_accepts(gemma, required, encoded[0]) and grammar_accepts(gemma, auto, encoded[1])
+    wrong = 'Sure.<unused0>\n{"name": "get_time", "arguments": {"zone"'
+    assert not grammar_accepts(gemma, auto, gemma.tokenizer.encode(wrong, add_special_tokens=False))
+    for seed in range(10):
+        content, calls, finishes = read_stream(syntax, steps_of(gemma.tokenizer, "Sure." + call, seed))
+        assert content == "Sure." and calls == [["get_time", '{"tz": "UTC"}']] and finishes[-1] == "tool_calls"
+    ids = encode_chat(gemma, ASK, TOOLS)
+    structure = call_structure(syntax, tools, "get_time", parallel=False)
+    plain = generate(gemma, ids, max_new_tokens=40, structure=structure)
+    drafted = generate(gemma, ids, max_new_tokens=40, structure=structure, lookup=True, schedule=Constant(k=4))
+    assert drafted.token_ids == plain.token_ids and plain.token_ids[0] == syntax.specials[0].token
+    assert drafted.stats.accepted_tokens > 0 and "unused" not in plain.text
+    parsed = parse_calls(syntax, plain.text)
+    assert [c[0] for c in parsed.calls] == ["get_time"] and parsed.content == "" and not parsed.unfinished
+    jsonschema.validate(json.loads(parsed.calls[0][1]), SCHEMAS["get_time"])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("choice", ["auto", "required", "get_time"])
+@pytest.mark.parametrize("name", ["smol", "gemma"])
+def test_calls_are_valid_for_their_schema_and_exact_with_speculation(request, name, choice, parallel):
     """Under the call structure every call parses and validates against its tool's schema; drafting (prompt lookup
     and the grammar's forced text) is on and its greedy tokens are those of plain constrained decoding."""
-    ids = encode_chat(smol, ASK, TOOLS)
-    structure = call_structure(HERMES, [Tool.of(t, "t") for t in TOOLS], choice, parallel)
-    plain = generate(smol, ids, max_new_tokens=80, structure=structure)
-    drafted = generate(smol, ids, max_new_tokens=80, structure=structure, lookup=True, schedule=Constant(k=4))
+    model = request.getfixturevalue(name)
+    syntax = call_syntax(model.tokenizer).for_tools([t["function"]["name"] for t in TOOLS])
+    ids = encode_chat(model, ASK, TOOLS)
+    structure = call_structure(syntax, [Tool.of(t, "t") for t in TOOLS], choice, parallel)
+    plain = generate(model, ids, max_new_tokens=48, structure=structure)
+    drafted = generate(model, ids, max_new_tokens=48, structure=structure, lookup=True, schedule=Constant(k=4))
     assert drafted.token_ids == plain.token_ids and drafted.stats.accepted_tokens > 0
-    parsed = parse_calls(HERMES, drafted.text)
-    if choice == "auto":
-        return  # (whether a 135M model calls is its own choice; its calls, if any, were checked the same way)
-    assert parsed.calls and parsed.content == ""
-    assert len(parsed.calls) == 1 or parallel
-    for name, arguments in parsed.calls:
-        assert choice in ("required", name)
-        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+    parsed = parse_calls(syntax, drafted.text)
+    if choice != "auto":  # (whether a small model calls is its own choice in "auto"; its calls are checked alike)
+        assert parsed.calls and parsed.content == ""
+    assert len(parsed.calls) <= 1 or parallel
+    for tool, arguments in parsed.calls[:-1] if parsed.unfinished else parsed.calls:
+        assert choice in ("auto", "required", tool)
+        jsonschema.validate(json.loads(arguments), SCHEMAS[tool])
 
 
 # --- the server ---------------------------------------------------------------------------------------------
@@ -205,16 +277,27 @@ def test_the_server_answers_with_tool_calls_streamed_or_not(server):
                                                   for c in choice.message.tool_calls]
 
 
+@pytest.fixture(scope="module")
+def gemma_server():
+    yield from serve("gemma3-270m", "--lookup", "--chat-template", str(GEMMA_TOOLS_TEMPLATE))
+
+
+CHOICES = ["none", "auto", "required", {"type": "function", "function": {"name": "get_time"}}]
+
+
 @pytest.mark.integration
-def test_tool_choice_and_parallel_tool_calls_are_honoured(server):
-    one = client(server).chat.completions.create(model="smollm2-135m", messages=ASK, tools=TOOLS, max_tokens=80,
-                                                 tool_choice={"type": "function", "function": {"name": "get_time"}},
-                                                 parallel_tool_calls=False)
-    calls = one.choices[0].message.tool_calls
-    assert len(calls) == 1 and calls[0].function.name == "get_time"
-    none = client(server).chat.completions.create(model="smollm2-135m", messages=ASK, tools=TOOLS, max_tokens=8,
-                                                  tool_choice="none")
-    assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason in ("length", "stop")
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("choice", CHOICES, ids=["none", "auto", "required", "named"])
+@pytest.mark.parametrize("model,url", [("smollm2-135m", "server"), ("gemma3-270m", "gemma_server")])
+def test_every_tool_choice_with_or_without_parallel_calls_streamed_or_not(request, model, url, choice, parallel):
+    """SmolLM2 (the Hermes template) and Gemma-3 (its turns, Hermes calls) under prompt lookup: a 200 for every
+    `tool_choice` and `parallel_tool_calls`, its calls valid and as asked, the stream's deltas adding up to the
+    whole reply."""
+    asked = dict(model=model, messages=ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=parallel,
+                 max_tokens=40)
+    whole = tool_reply(client(request.getfixturevalue(url)), stream=False, **asked)
+    assert_valid_calls(whole, choice, parallel, SCHEMAS)
+    assert tool_reply(client(request.getfixturevalue(url)), stream=True, **asked) == whole
 
 
 @pytest.mark.integration
@@ -260,51 +343,11 @@ def test_bad_tool_fields_are_400s_naming_the_field(server):
 
 # --- fuzz: whatever a client sends in tools, tool_choice and messages, never a 5xx ------------------------------
 
-JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.text(max_size=8), st.lists(st.integers(), max_size=2))
-SCHEMA = st.recursive(
-    st.fixed_dictionaries({}, optional={"type": st.sampled_from(["string", "integer", "number", "boolean", "null",
-                                                                  "array", "object", "nope"]),
-                                        "enum": st.lists(st.one_of(st.text(max_size=4), st.integers()), max_size=3),
-                                        "pattern": st.sampled_from(["[a-z]+", "(unclosed", "^x$"]),
-                                        "minLength": st.integers(-1, 3), "$ref": st.sampled_from(["#/nowhere", "#"])}),
-    lambda inner: st.fixed_dictionaries({}, optional={
-        "type": st.sampled_from(["object", "array"]), "properties": st.dictionaries(st.text(max_size=4), inner,
-                                                                                    max_size=3),
-        "items": inner, "required": st.lists(st.text(max_size=4), max_size=2), "anyOf": st.lists(inner, max_size=2),
-        "additionalProperties": st.one_of(st.booleans(), inner)}),
-    max_leaves=6)
-NAMES = st.one_of(st.sampled_from(["get_weather", "get_time", "f"]), st.text(max_size=10))
-TOOL = st.one_of(
-    st.fixed_dictionaries({"type": st.sampled_from(["function", "function", "web_search"]),
-                           "function": st.fixed_dictionaries({"name": NAMES},
-                                                             optional={"parameters": st.one_of(SCHEMA, JUNK),
-                                                                       "description": st.one_of(st.text(max_size=8),
-                                                                                                JUNK)})}),
-    st.sampled_from(TOOLS), JUNK)
-CALL = st.one_of(st.fixed_dictionaries({"id": st.text(max_size=4), "type": st.just("function"), "function":
-                                        st.fixed_dictionaries({"name": NAMES, "arguments": st.one_of(
-                                            st.sampled_from(['{"city": "Oslo"}', "{}", "{bad", "[1]", '"x"']),
-                                            JUNK)})}), JUNK)
-MESSAGE = st.fixed_dictionaries(
-    {"role": st.sampled_from(["user", "assistant", "assistant", "tool", "system", "developer", "function", "wizard"])},
-    optional={"content": st.one_of(st.text(max_size=12), st.none(), st.lists(
-        st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=6)}),
-        max_size=2)), "tool_calls": st.one_of(
-        st.lists(CALL, max_size=2), st.integers(), st.booleans(), st.text(max_size=4),
-        st.dictionaries(st.text(max_size=3), JUNK, max_size=2)), "tool_call_id": st.one_of(
-            st.text(min_size=1, max_size=4), st.text(min_size=1, max_size=4), JUNK)})
-BODY = st.fixed_dictionaries(
-    {"messages": st.one_of(st.lists(MESSAGE, min_size=1, max_size=4),
-                           st.lists(MESSAGE, max_size=3).map(lambda more: ASK + more))},
-    optional={"tools": st.one_of(st.lists(TOOL, max_size=3), JUNK),
-              "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required", "any"]), st.fixed_dictionaries(
-                  {"type": st.just("function"), "function": st.fixed_dictionaries({"name": NAMES})}), JUNK),
-              "parallel_tool_calls": JUNK, "stream": st.booleans()})
-
 
 @pytest.mark.integration
 def test_fuzzed_tools_tool_choice_and_messages_never_get_a_5xx(server):
     """A bounded fuzz (127.0.0.1, 300 requests of 2 tokens at most): every answer is a 200 or a 4xx with OpenAI's
     error body naming the problem."""
-    seen = fuzz_for_5xx(f"{server}/v1/chat/completions", BODY, {"model": "smollm2-135m", "max_tokens": 2}, 300)
+    seen = fuzz_for_5xx(f"{server}/v1/chat/completions", tool_bodies(TOOLS, ASK),
+                        {"model": "smollm2-135m", "max_tokens": 2}, 300)
     assert seen["ok"] > 5 and seen["refused"] > 5  # (the fuzz reached the engine and the checks both)

@@ -2,9 +2,11 @@
 
 Contract: `CallParser(syntax).feed(text)` takes the generated text in pieces of any size (one step may accept 17
 tokens) and returns `Content`, `CallStart` and `Arguments` events, holding back only what may still turn out to be
-syntax (`chat.syntax`'s forms; and whitespace, which may only separate two calls); `finish()` releases held-back
-text (whitespace at the end dropped); `in_call` says whether the text so far ends inside a call. The events of any
-split of a text add up to those of the whole (`parse_calls`).
+syntax (`chat.syntax`'s forms, their markers as the decoded text shows them, `CallSyntax.as_shown`: a marker the
+model writes as one special token is read as the text the stream gives for that token; and whitespace, which may
+only separate two calls); `finish()` releases held-back text (whitespace at the end dropped; nothing where the
+syntax is `calls_only`: there it is a call's marker cut short); `in_call` says whether the text so far ends inside a
+call. The events of any split of a text add up to those of the whole (`parse_calls`).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ class CallParser:
     """Generated text -> events, as it comes (see the module's contract)."""
 
     def __init__(self, syntax: CallSyntax):
-        self.triggers = syntax.triggers()
+        self.triggers = syntax.as_shown().triggers()  # (the markers as the decoded text shows them)
+        self.calls_only = syntax.calls_only
         self.form: CallForm | None = None  # the form of the call being read
         self.buffer = ""
         self.state = "text"  # text | head (a call opened, its name not read yet) | arguments | tail (the form's end)
@@ -75,16 +78,18 @@ class CallParser:
 
     @property
     def in_call(self) -> bool:
-        """Whether a call has opened and not closed (a generation that ends here left it unfinished)."""
-        return self.state != "text"
+        """Whether a call has opened and not closed (a generation that ends here left it unfinished), or, where the
+        output is calls only, a marker has begun."""
+        return self.state != "text" or (self.calls_only and bool(self.buffer.strip()))
 
     def finish(self) -> list:
-        """What is left when the generation ends: held-back text (whitespace at the end dropped); an unfinished
-        call's head or tail is dropped (its arguments so far were given as they came)."""
+        """What is left when the generation ends: held-back text (whitespace at the end dropped; where the output is
+        calls only, nothing: it is a marker cut short); an unfinished call's head or tail is dropped (its arguments
+        so far were given as they came)."""
         rest, self.buffer = self.buffer, ""
         if self.state == "arguments" and rest:
             return [Arguments(self.calls - 1, rest)]
-        if self.state == "text" and rest.strip():
+        if self.state == "text" and rest.strip() and not self.calls_only:
             return [Content(rest)]
         return []
 

@@ -4,13 +4,16 @@ Contract: `call_syntax(tokenizer)` is the call syntax a model's chat template re
 Qwen2.5/Qwen3 and Hermes templates: `<tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call>`; besides its
 own form a syntax reads the forms small models write instead: a JSON object whose "name" is a tool's, in a
 markdown block, bare, or in the doubled braces of Qwen2.5's template's example), or None when the template renders
-no tools; `syntax.for_tools(names)` binds it to a request's tools. A `CallSyntax` is data: the grammar built from
-it is `chat.grammar`'s, the parser that reads it back `chat.parser`'s.
+no tools; `syntax.for_tools(names)` binds it to a request's tools. The syntax it returns knows, from that tokenizer
+at run time, which of its markers the model writes as one special token (`Special`: Qwen2.5's tokenizer holds
+`<tool_call>` as an added token, SmolLM2's spells it in five text tokens) and the text a decoded stream shows for
+that token (`shown`, what the parser reads). A `CallSyntax` is data: the grammar built from it is
+`chat.grammar`'s, the parser that reads it back `chat.parser`'s.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -48,17 +51,51 @@ BARE = (CallForm("", '{"name": "', named=True),  # (the same object with no bloc
 
 
 @dataclass(frozen=True)
+class Special:
+    """A marker the tokenizer holds as one added token (`token`): the tokenizer matches it whole before splitting the
+    rest, so the model writes the marker as that token alone; llguidance reads such tokens as special (Qwen2.5's
+    `<tool_call>` among them), which no string literal matches, and a grammar names the token by id, `<[id]>`,
+    which matches it special or not. `shown`: what the decoded stream shows for it (`decode(skip_special_tokens=
+    True)`: the marker itself, or nothing where the tokenizer drops the token)."""
+
+    text: str
+    token: int
+    shown: str
+
+
+@dataclass(frozen=True)
 class CallSyntax:
     """How a template writes calls: `forms[0]` is the template's own (what a due call is written in), the others
     are read and constrained where the model opens a call with them. `tools`: the names of the request's tools
-    (the named triggers' names; `for_tools`)."""
+    (the named triggers' names; `for_tools`); `calls_only`: the output is calls and nothing else (tool_choice
+    "required" or a function: any other text is a call's marker cut short). `markers`: the template's own markers,
+    which a tokenizer may hold as special tokens; `specials`: those that the syntax's tokenizer does
+    (`for_tokenizer`)."""
 
     name: str
     forms: tuple[CallForm, ...]
     tools: tuple[str, ...] = ()
+    markers: tuple[str, ...] = ()
+    specials: tuple[Special, ...] = ()
+    calls_only: bool = False
 
-    def for_tools(self, names: list[str]) -> CallSyntax:
-        return CallSyntax(self.name, self.forms, tuple(names))
+    def for_tools(self, names: list[str], calls_only: bool = False) -> CallSyntax:
+        return replace(self, tools=tuple(names), calls_only=calls_only)
+
+    def for_tokenizer(self, tokenizer) -> CallSyntax:
+        """The syntax with its markers looked up in the tokenizer (`special_markers`)."""
+        return replace(self, specials=special_markers(tokenizer, self.markers))
+
+    def as_shown(self) -> CallSyntax:
+        """The syntax as the decoded text shows it (what the parser reads): each special marker replaced by its
+        shown text; a form whose opening marker shows nothing opens at its head instead, named by the tool (an
+        empty trigger would open a call anywhere)."""
+        hidden = [s for s in self.specials if s.shown != s.text]
+        if not hidden:
+            return self
+        forms = tuple(replace(form, open=showing(form.open, hidden), close=showing(form.close, hidden),
+                              named=form.named or not showing(form.open, hidden)) for form in self.forms)
+        return replace(self, forms=forms, specials=())
 
     def triggers(self) -> list[tuple[str, CallForm]]:
         """(trigger, form) for every way a call may open in free text."""
@@ -69,14 +106,34 @@ class CallSyntax:
         return list(out.items())
 
 
-HERMES = CallSyntax("hermes", (CallForm("<tool_call>", '\n{"name": "', close="}\n</tool_call>"), *FENCED, *BARE))
+def showing(text: str, hidden: list[Special]) -> str:
+    for special in hidden:
+        text = text.replace(special.text, special.shown)
+    return text
+
+
+HERMES = CallSyntax("hermes", (CallForm("<tool_call>", '\n{"name": "', close="}\n</tool_call>"), *FENCED, *BARE),
+                    markers=("<tool_call>", "</tool_call>"))
+
+
+def special_markers(tokenizer, markers: tuple[str, ...]) -> tuple[Special, ...]:
+    """The markers the tokenizer holds as one added token: the marker's text encodes to exactly one id, an added token
+    whose text is the marker."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    out = []
+    for marker in markers:
+        ids = tokenizer.encode(marker, add_special_tokens=False)
+        if len(ids) == 1 and getattr(added.get(ids[0]), "content", None) == marker:
+            out.append(Special(marker, ids[0], tokenizer.decode(ids, skip_special_tokens=True)))
+    return tuple(out)
 
 
 def call_syntax(tokenizer) -> CallSyntax | None:
-    """The syntax the tokenizer's chat template asks tool calls in, or None (it renders no tools)."""
+    """The syntax the tokenizer's chat template asks tool calls in, its markers looked up in the tokenizer, or None
+    (it renders no tools)."""
     template = getattr(tokenizer, "chat_template", None) or ""
     if isinstance(template, dict):  # (several named templates: the tool-use one, else the default)
         template = template.get("tool_use") or template.get("default") or ""
     if "tools" in template and "<tool_call>" in template:
-        return HERMES
+        return HERMES.for_tokenizer(tokenizer)
     return None

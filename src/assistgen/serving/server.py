@@ -90,8 +90,9 @@ async def chat_completions(body: ChatRequest, http: HTTPRequest):
 
 
 def tools_for(state: AppState, plan: ToolPlan | None) -> tuple[CallSyntax | None, Structure | None, list | None]:
-    """(the syntax calls are read in, the structure they follow, the tools the template renders) for a request's
-    tools; none for no tools or tool_choice "none" (the template then renders no tools: nothing to call)."""
+    """(the syntax calls are read in, calls only with "required" or a function; the structure they follow; the tools
+    the template renders) for a request's tools; none for no tools or tool_choice "none" (the template then renders
+    no tools: nothing to call)."""
     if plan is None or plan.choice == "none":
         return None, None, None
     syntax = call_syntax(state.engine.target.tokenizer)
@@ -105,7 +106,7 @@ def tools_for(state: AppState, plan: ToolPlan | None) -> tuple[CallSyntax | None
         raise APIError(400, str(e), param=f"tools.{e.index}.function.parameters") from e
     except ConfigError as e:  # (llguidance missing)
         raise APIError(400, str(e), param="tools") from e
-    return syntax.for_tools([t.name for t in plan.tools]), calls, plan.specs
+    return syntax.for_tools([t.name for t in plan.tools], calls_only=plan.choice != "auto"), calls, plan.specs
 
 
 async def responses(body: ResponsesRequest, http: HTTPRequest):
