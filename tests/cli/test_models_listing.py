@@ -6,6 +6,9 @@ from __future__ import annotations
 from assistgen.backends.embedded import EMBEDDED, SPEECH, EmbeddedSpeech, is_installed
 from assistgen.cli.main import main
 
+# What `make install` installs (the base and speech extras); the Qwen pair comes with `make qwen` only.
+MAKE_INSTALL = {"smollm2-135m", "gemma3-270m", *SPEECH}
+
 
 def listing(capsys, monkeypatch, cache) -> dict[str, list[str]]:
     monkeypatch.setenv("ASSISTGEN_CACHE", str(cache))
@@ -21,7 +24,10 @@ def test_models_lists_the_speech_models_beside_the_text_ones(capsys, monkeypatch
     assert {"whisper-base", "whisper-tiny-en"} <= set(rows)
     for alias, row in rows.items():
         assert row[1] == ("speech" if alias in SPEECH else "text")
-        assert row[2] == "yes"  # `make install` installs the speech extra too
+        entry = SPEECH.get(alias) or EMBEDDED[alias]
+        assert row[2] == ("yes" if is_installed(entry) else "no")
+        if alias in MAKE_INSTALL:
+            assert row[2] == "yes"  # `make install` installs the speech extra too
         assert row[3] == "no"  # an empty cache: nothing converted
 
 
@@ -45,3 +51,18 @@ def test_a_speech_model_is_installed_only_with_every_package_holding_its_files()
                              parts=(*base.parts, ("assistgen_no_such_package", "model.bin")), config=base.config,
                              tokenizer=base.tokenizer)
     assert not is_installed(missing)
+
+
+def test_a_model_not_installed_says_no_and_how_to_install_it(capsys, monkeypatch, tmp_path):
+    import importlib.util
+
+    qwen = EMBEDDED["qwen2.5-coder-0.5b"]
+    hidden = set(qwen.modules())
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in hidden else find_spec(name, *a))
+    monkeypatch.setenv("ASSISTGEN_CACHE", str(tmp_path / "cache"))
+    assert main(["models"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.split()[:1] == [qwen.alias])
+    assert lines[at].split()[2] == "no"
+    assert lines[at + 1].split() == ["install:", *qwen.install.split()]
