@@ -3,10 +3,10 @@
 Contract: `cache_root()` is the one home (`$ASSISTGEN_CACHE`, default `~/.cache/assistgen`) of converted
 and quantized models, measured costs and linear routes. `measurement_file(kind, key, fingerprint)` is
 where a measurement of one kind ("costs", "routes") of a model on this machine is cached;
-`remembered(path, measure, required)` reads it, or measures and saves it (a record without the
-`required` keys, or unreadable, is measured again). `replaced_atomically(dest)` gives a temporary
-path beside `dest` to write a file or folder into, and puts it in place only when the block
-succeeds, so a reader never sees half of one. Nothing here knows about models.
+`remembered(path, measure, required, keep=...)` reads it, or measures and saves it when `keep` says the
+record may be kept (a record without the `required` keys, or unreadable, is measured again).
+`replaced_atomically(dest)` gives a temporary path beside `dest` to write a file or folder into, and
+puts it in place only when the block succeeds, so a reader never sees half of one. Nothing here knows about models.
 """
 
 from __future__ import annotations
@@ -33,13 +33,14 @@ def measurement_file(kind: str, key: str, fingerprint: str) -> Path:
 
 
 def remembered(path: Path | None, measure: Callable[[], dict], required: tuple[str, ...] = (),
-               refresh: bool = False) -> dict:
+               refresh: bool = False, keep: Callable[[dict], bool] = lambda record: True) -> dict:
     """The JSON record at `path` when it holds every `required` key (and not `refresh`), else `measure()`,
-    saved there (path None: measured, not saved)."""
+    saved there when `keep(record)` (path None: measured, not saved)."""
     record = None if refresh else recalled(path, required)
     if record is None:
         record = measure()
-        remember(path, record)
+        if keep(record):
+            remember(path, record)
     return record
 
 

@@ -81,7 +81,7 @@ def quick_measurement(monkeypatch, tmp_path):
     monkeypatch.setenv("ASSISTGEN_CACHE", str(tmp_path))
     curve = [1.0 + 0.1 * k for k in range(17)]
     record = {"step_seconds": [0.01 * v for v in curve], "verification_costs": curve, "wide_rows": [],
-              "wide_costs": [], "sequence_cost": 0.1, "batch_row_cost": 0.1}
+              "wide_costs": [], "sequence_cost": 0.1, "batch_row_cost": 0.1, "others_share": 0.0}
     monkeypatch.setattr(book, "measure_costs", lambda model: dict(record))
 
 

@@ -3,13 +3,17 @@
 Contract: `cpu_name()` is the processor's model name (from /proc/cpuinfo, else `platform.processor()`) and
 `cpu_flags()` its feature flags (/proc/cpuinfo's `flags`, or `Features` on ARM; empty where there is none), each
 read once per process; `cpu_identity()` is both in one string (name, then the flags sorted), what a probe's record
-is keyed by.
+is keyed by. `cpu_ticks()` reads the clock ticks spent so far on the CPUs this process may run on, and
+`others_share(end - start)` is the share of them that other processes took between two readings: how contended a
+measurement taken in between was.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import platform
+from dataclasses import dataclass
 
 
 @functools.cache
@@ -39,3 +43,49 @@ def cpu_flags() -> frozenset[str]:
 
 def cpu_identity() -> str:
     return f"{cpuinfo_fields().get('model name', '')}|{' '.join(sorted(cpu_flags()))}"
+
+
+@dataclass(frozen=True)
+class CpuTicks:
+    """Clock ticks so far: `busy` and `total` summed over the CPUs this process may run on (/proc/stat; steal counts
+    as busy: another machine's work on the same cores), `own` this process's (all its threads, /proc/self/stat)."""
+
+    busy: int
+    total: int
+    own: int
+
+    def __sub__(self, other: CpuTicks) -> CpuTicks:
+        return CpuTicks(self.busy - other.busy, self.total - other.total, self.own - other.own)
+
+    def __add__(self, other: CpuTicks) -> CpuTicks:
+        return CpuTicks(self.busy + other.busy, self.total + other.total, self.own + other.own)
+
+
+def cpu_ticks() -> CpuTicks | None:
+    """The ticks now, or None where /proc gives none (not Linux)."""
+    try:
+        allowed = {f"cpu{i}" for i in os.sched_getaffinity(0)}
+        busy = total = 0
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *values = line.split()
+                if name in allowed:
+                    user, nice, system, idle, iowait, irq, softirq, steal = (int(v) for v in values[:8])
+                    busy += user + nice + system + irq + softirq + steal
+                    total += user + nice + system + irq + softirq + steal + idle + iowait
+        with open("/proc/self/stat") as f:
+            fields = f.read().rpartition(")")[2].split()  # (the name may hold spaces; fields 14, 15 follow it)
+        own = int(fields[11]) + int(fields[12])
+    except (OSError, ValueError, AttributeError):
+        return None
+    return CpuTicks(busy, total, own) if total else None
+
+
+def others_share(spent: CpuTicks | None) -> float | None:
+    """The share of this process's CPUs that other processes (and other machines, as steal) kept busy over `spent`
+    (the ticks between two readings, or a sum of such spans): 0 on a quiet machine, 0.75 where three other busy
+    processes share two cores. None where there is no reading or too few ticks passed to say (under half a second
+    of one CPU)."""
+    if spent is None or spent.total < 50:
+        return None
+    return min(1.0, max(0.0, (spent.busy - spent.own) / spent.total))

@@ -5,17 +5,24 @@ Contract: `step_times(model)` returns the seconds of one forward pass over n = 1
 then spoils one round of each row count, not every round of one); `random_context` makes the random ids (fed in
 pieces by `fed_in_pieces`). `step_time_pieces` and `rounds` are the same measurements as generators that yield after
 each timed pass (their return value the result: `finish` runs one to its end), for a caller that measures between
-other work and may drop a measurement half done (closing it frees its caches). It uses only `backends.base` verbs
+other work and may drop a measurement half done (closing it frees its caches). `watched(measure)` runs a measurement
+and adds to its record the share of the CPUs other processes took meanwhile (`others_share`); `is_quiet(record)`
+says whether that share was small enough for the record to be kept on disk as this machine's (a measurement made
+while other work shared the cores prices every later run wrongly: it is used for the run that made it, and made
+again next time). It uses only `backends.base` verbs
 (`new_cache`, `feed`, `crop`, `clock`), so it times any backend; it knows nothing about policies or routes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import torch
 
 from assistgen.backends.base import MAX_K
+from assistgen.backends.machine import cpu_ticks, others_share
+
+CONTENDED = 0.25  # other processes' share of our CPUs above which a measurement is not kept (half a core of two)
 
 
 def step_times(model, max_k: int = MAX_K, context: int = 128, repeats: int = 3,
@@ -85,3 +92,20 @@ def finish(pieces: Generator):
             next(pieces)
         except StopIteration as done:
             return done.value
+
+
+def watched(measure: Callable[[], dict]) -> dict:
+    """`measure()`'s record with `others_share`: the share of this process's CPUs that other processes took while it
+    ran (None where the machine does not say)."""
+    start = cpu_ticks()
+    record = measure()
+    end = cpu_ticks()
+    record["others_share"] = others_share(end - start if start and end else None)
+    return record
+
+
+def is_quiet(record: dict) -> bool:
+    """Whether a watched measurement ran with the cores to itself (or the machine does not say), so that it may be
+    kept as this machine's."""
+    share = record.get("others_share")
+    return share is None or share <= CONTENDED

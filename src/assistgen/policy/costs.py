@@ -9,7 +9,9 @@ has its own, held weakly (the book keeps no model alive). Reading and measuring 
     known_costs(model)     what the book holds (None: nothing yet); never measures, never reads the disk;
     calibrate(model)       measures now (`measurement.measure_costs`), or reads what was measured on this machine
                            before from `$ASSISTGEN_CACHE/costs/` (keyed by the fingerprint; `refresh` measures again),
-                           and enters it. `api.prepare` calls it, so no request pays for it. `later=True` does not
+                           and enters it. A measurement made while other processes shared the cores
+                           (`backends.measure.is_quiet`) prices this run only: it is not saved.
+                           `api.prepare` calls it, so no request pays for it. `later=True` does not
                            hold up a server's start: with nothing on disk it enters a provisional curve from a few
                            row counts (`measurement.quick_costs`) and leaves the full measurement to a `Calibration`
                            in `pending()`, which the serving engine advances one timed pass at a time while no
@@ -31,6 +33,8 @@ import weakref
 from collections.abc import Generator
 from pathlib import Path
 
+from assistgen.backends.machine import CpuTicks, cpu_ticks, others_share
+from assistgen.backends.measure import is_quiet
 from assistgen.paths import measurement_file, recalled, remember, remembered
 from assistgen.policy.measurement import REQUIRED, costs_record, measure_costs, measurement_stages, quick_costs
 from assistgen.spec.costs import PassCosts
@@ -97,7 +101,8 @@ def calibrate(model, refresh: bool = False, later: bool = False) -> PassCosts:
             _PENDING[model] = Calibration(model, path)
             return costs
         return _BOOK.put(model, PassCosts.of(record))
-    return _BOOK.put(model, PassCosts.of(remembered(path, lambda: measure_costs(model), REQUIRED, refresh)))
+    return _BOOK.put(model, PassCosts.of(remembered(path, lambda: measure_costs(model), REQUIRED, refresh,
+                                                    keep=is_quiet)))
 
 
 def costs_path(model) -> Path | None:
@@ -107,9 +112,12 @@ def costs_path(model) -> Path | None:
 
 class Calibration:
     """A model's full cost measurement, run in pieces between other work (one thread, the model's own).
-    `advance()` times one pass and says whether more remain; after the last the record is saved and entered in the
-    book, and the calibration leaves `pending()`. `interrupt()` drops the stage half done (closing its generator
-    frees its caches, so the model's sequences can serve), to be timed again from that stage's start. `abandon()`
+    `advance()` times one pass and says whether more remain; after the last the record is entered in the book and
+    saved, and the calibration leaves `pending()`. Other processes' load is summed over the timed pieces only (a
+    server's idle gaps, when a client on the same machine may run, do not count); a measurement that shared the
+    cores (`is_quiet`) is entered but not saved, and made again, up to `ATTEMPTS` times in all. `interrupt()` drops
+    the stage half done (closing its generator frees its caches, so the model's sequences can serve), to be timed
+    again from that stage's start. `abandon()`
     gives up: the provisional costs stay. One thread advances it at a time (a call while another thread times a pass
     returns at once), and no pass is timed while an engine other than the caller serves requests on the model
     (`hold`/`release`: engines of two servers may share a model)."""
@@ -122,6 +130,8 @@ class Calibration:
         self.lock = threading.Lock()  # one thread times a pass at a time (engines of several servers may share a model)
         self.holders: set[int] = set()  # ids of the engines now serving requests on the model
         self.holding = threading.Lock()  # guards `holders` (never held while a pass is timed)
+        self.spent: CpuTicks | None = CpuTicks(0, 0, 0)  # ticks over the timed pieces (None: the machine does not say)
+        self.attempts = 1
 
     def hold(self, who: object) -> None:
         """`who` (an engine) serves requests on the model: no pass is timed until it lets go (`release`), and a stage
@@ -148,20 +158,30 @@ class Calibration:
         finally:
             self.lock.release()
 
+    ATTEMPTS = 3
+
     def _advance(self) -> bool:
         if self.current is None:
             self.current = self.stages[len(self.results)]()
+        start = cpu_ticks()
         try:
             next(self.current)
             return True
         except StopIteration as done:
             self.results.append(done.value)
             self.current = None
+        finally:
+            end = cpu_ticks()
+            self.spent = self.spent + (end - start) if self.spent and start and end else None
         if len(self.results) < len(self.stages):
             return True
-        record = costs_record(self.model, *self.results)
-        remember(self.path, record)
+        record = {**costs_record(self.model, *self.results), "others_share": others_share(self.spent)}
         _BOOK.put(self.model, PassCosts.of(record))
+        if is_quiet(record):
+            remember(self.path, record)
+        elif self.attempts < self.ATTEMPTS:  # (measured again while idle; meanwhile priced on this one)
+            self.attempts, self.results, self.spent = self.attempts + 1, [], CpuTicks(0, 0, 0)
+            return True
         _PENDING.pop(self.model, None)
         return False
 

@@ -21,13 +21,22 @@ from collections.abc import Callable, Generator
 import numpy as np
 import torch
 
-from assistgen.backends.measure import fed_in_pieces, finish, random_context, rounds, step_time_pieces, step_times
+from assistgen.backends.measure import (
+    fed_in_pieces,
+    finish,
+    random_context,
+    rounds,
+    step_time_pieces,
+    step_times,
+    watched,
+)
 from assistgen.policy.gain import MAX_K
 from assistgen.spec.costs import PassCosts
 
 WIDE_ROWS = (24, 32, 64, 128)  # row counts past MAX_K + 1 measured for batched steps (`PassCosts.rows`)
 BATCH = 8  # sequences in the batched passes measured for `PassCosts.batch`
-REQUIRED = ("verification_costs", "wide_costs", "batch_row_cost", "sequence_cost")  # else measured again
+# else measured again (a record made before measurements were watched for other processes' load, too)
+REQUIRED = ("verification_costs", "wide_costs", "batch_row_cost", "sequence_cost", "others_share")
 SPARSE_ROWS = (1, 2, 3, 5, 9, 13, 17)  # the row counts timed under a memory budget (the rest interpolated)
 QUICK_ROWS = (1, 2, 3, 5, 9, MAX_K + 1)  # the row counts a provisional curve is timed at
 
@@ -76,8 +85,8 @@ def costs_record(model, times: list[float], wide: list[float], batch: tuple[floa
 
 
 def measure_costs(model) -> dict:
-    """Time the model's passes, every stage now."""
-    return costs_record(model, *(finish(stage()) for stage in measurement_stages(model)))
+    """Time the model's passes, every stage now, watched for other processes' load (`backends.measure.watched`)."""
+    return watched(lambda: costs_record(model, *(finish(stage()) for stage in measurement_stages(model))))
 
 
 def interpolated(times: list[float], rows: tuple[int, ...]) -> list[float]:

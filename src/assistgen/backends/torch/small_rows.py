@@ -35,7 +35,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from assistgen.backends.measure import step_times
+from assistgen.backends.measure import is_quiet, step_times, watched
 from assistgen.backends.torch.attention import grouped_attention_applied
 from assistgen.backends.torch.devices import model_device, require_cpu
 from assistgen.backends.torch.swap import replace_module
@@ -249,7 +249,8 @@ def tune_routes(model, refresh: bool = False, timed=None, context: int = 128) ->
 
     record = model.routes if model.routes is not None and not refresh else None
     if record is None:
-        record = remembered(routes_path(model), measure, ("routes", "padded"), refresh)
+        record = remembered(routes_path(model), lambda: watched(measure), ("routes", "padded", "others_share"), refresh,
+                            keep=is_quiet)
     small_rows_linear(model.hf, mode="on", routes=record["routes"], padded=record["padded"])
     model.routes = record
     return record
