@@ -32,6 +32,13 @@ def busy_cores():
             p.wait()
 
 
+def model_to_measure(key: str, layers: int = 4):
+    """A tiny model large enough that measuring it takes a second or so of CPU (ticks enough to say who ran)."""
+    model = tiny_llama(seed=0, hidden=512, layers=layers)
+    model.cache_key = key
+    return model
+
+
 def spin(seconds: float) -> None:
     import time
 
@@ -52,8 +59,7 @@ def test_the_share_other_processes_take_is_read_from_the_machine():
 
 def test_a_contended_cost_measurement_prices_this_run_and_is_not_saved(monkeypatch, tmp_path, one_thread):
     monkeypatch.setenv("ASSISTGEN_CACHE", str(tmp_path))
-    model = tiny_llama(seed=0)
-    model.cache_key = "tiny-contended"
+    model = model_to_measure("tiny-contended")
     with busy_cores():
         costs = book.calibrate(model)
     assert costs.record["others_share"] > CONTENDED
@@ -69,8 +75,7 @@ def test_a_contended_cost_measurement_prices_this_run_and_is_not_saved(monkeypat
 
 def test_a_record_saved_before_measurements_were_watched_is_measured_again(monkeypatch, tmp_path, one_thread):
     monkeypatch.setenv("ASSISTGEN_CACHE", str(tmp_path))
-    model = tiny_llama(seed=0)
-    model.cache_key = "tiny-old-record"
+    model = model_to_measure("tiny-old-record")
     path = book.costs_path(model)
     path.parent.mkdir(parents=True)
     old = {"step_seconds": [1.0] * 17, "verification_costs": [2.65] * 17, "wide_rows": [], "wide_costs": [],
@@ -85,8 +90,7 @@ def test_a_record_saved_before_measurements_were_watched_is_measured_again(monke
 def test_a_background_calibration_that_shared_the_cores_is_made_again_and_not_saved(monkeypatch, tmp_path,
                                                                                        one_thread):
     monkeypatch.setenv("ASSISTGEN_CACHE", str(tmp_path))
-    model = tiny_llama(seed=0)
-    model.cache_key = "tiny-contended-later"
+    model = model_to_measure("tiny-contended-later")
     book.calibrate(model, later=True)
     calibration = book.pending([model])[0]
     try:
@@ -106,8 +110,7 @@ def test_linear_routes_measured_on_shared_cores_are_not_saved(monkeypatch, tmp_p
     from assistgen.backends.torch.small_rows import small_rows_linear, tune_routes
 
     monkeypatch.setenv("ASSISTGEN_CACHE", str(tmp_path))
-    model = tiny_llama(seed=0, hidden=256)
-    model.cache_key = "tiny-routes"
+    model = model_to_measure("tiny-routes", layers=1)  # (timed on each route: one layer is enough)
     small_rows_linear(model.hf, mode="on")
     with busy_cores():
         record = tune_routes(model, refresh=True)
