@@ -116,7 +116,8 @@ UNIVERSAL_PROMPTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(UNIVERSAL_PROMPTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("italian", "emoji", "list") else n
+                                  for n in UNIVERSAL_PROMPTS])  # (three of them in `make test-slow`)
 def test_universal_gemma3_drafted_by_smollm2_is_exact(gemma3, smollm2_fast, name):
     ids = encode_prompt(gemma3, UNIVERSAL_PROMPTS[name])
     plain = generate(gemma3, ids, max_new_tokens=32)

@@ -219,10 +219,14 @@ def test_a_call_between_special_tokens_the_stream_drops_is_constrained_exact_and
     jsonschema.validate(json.loads(parsed.calls[0][1]), SCHEMAS["get_time"])
 
 
+# Each choice with parallel calls on SmolLM2 and without on Gemma-3 here; the other six in `make test-slow`.
+CALL_CASES = [pytest.param(name, choice, parallel, marks=() if (name == "smol") == parallel else pytest.mark.slow)
+              for name in ("smol", "gemma") for choice in ("auto", "required", "get_time")
+              for parallel in (True, False)]
+
+
 @pytest.mark.integration
-@pytest.mark.parametrize("parallel", [True, False])
-@pytest.mark.parametrize("choice", ["auto", "required", "get_time"])
-@pytest.mark.parametrize("name", ["smol", "gemma"])
+@pytest.mark.parametrize("name, choice, parallel", CALL_CASES)
 def test_calls_are_valid_for_their_schema_and_exact_with_speculation(request, name, choice, parallel):
     """Under the call structure every call parses and validates against its tool's schema; drafting (prompt lookup
     and the grammar's forced text) is on and its greedy tokens are those of plain constrained decoding."""

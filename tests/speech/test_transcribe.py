@@ -39,8 +39,15 @@ DRAFTERS = {
 }
 
 
-@pytest.mark.parametrize("name", list(DRAFTERS))
-@pytest.mark.parametrize("forced", [False, True], ids=["adaptive", "k=3"])
+# Every drafter on a forced schedule (its verification path runs); on the adaptive one, four of them in `make test`
+# and the rest in `make test-slow` (the same transcript through the same loop, five more Whisper runs).
+ADAPTIVE_FAST = ("plain", "lookup", "early-exit", "assistant (universal)")
+CASES = [pytest.param(name, forced, id=f"{'k=3' if forced else 'adaptive'}-{name}",
+                      marks=() if forced or name in ADAPTIVE_FAST else pytest.mark.slow)
+         for forced in (False, True) for name in DRAFTERS]
+
+
+@pytest.mark.parametrize("name, forced", CASES)
 def test_every_drafter_gives_the_reference_transcript(whisper_base, whisper_tiny_en, clip, repeated_clip, name,
                                                       forced):
     for path in (clip, repeated_clip):
@@ -173,8 +180,9 @@ def timestamped(out) -> tuple[list[int], list[tuple[float, float]], str]:
     return [t for s in out.segments for t in s.token_ids], [(s.start_s, s.end_s) for s in out.segments], out.text
 
 
-LONG_DRAFTERS = ["plain", "lookup", "early-exit", "assistant (universal)", "assistant (same tokenizer)",
-                 "self-draft int8"]
+LONG_DRAFTERS = ["plain", "early-exit", "assistant (universal)",  # (the other three in `make test-slow`)
+                 *(pytest.param(name, marks=pytest.mark.slow)
+                   for name in ("lookup", "assistant (same tokenizer)", "self-draft int8"))]
 
 
 @pytest.fixture(scope="module")
