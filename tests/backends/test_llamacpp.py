@@ -126,7 +126,7 @@ def test_crop_fork_and_feed_together(smol):
     assert c.sync(ids + [99], keep_last=1) == [99] and len(c) == len(ids)
 
 
-@pytest.mark.parametrize("text", PROMPTS)
+@pytest.mark.parametrize("text", PROMPTS[:2] + [pytest.param(PROMPTS[2], marks=pytest.mark.slow)])
 def test_every_drafter_gives_plain_decodings_tokens(smol, smol_torch, text):
     ids = chat_ids(smol, text)
     plain = generate(smol, ids, max_new_tokens=40).token_ids

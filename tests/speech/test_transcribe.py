@@ -39,9 +39,9 @@ DRAFTERS = {
 }
 
 
-# Every drafter on a forced schedule (its verification path runs); on the adaptive one, four of them in `make test`
-# and the rest in `make test-slow` (the same transcript through the same loop, five more Whisper runs).
-ADAPTIVE_FAST = ("plain", "lookup", "early-exit", "assistant (universal)")
+# Every drafter on a forced schedule (its verification path runs); on the adaptive one, two of them in `make test`
+# and the rest in `make test-slow` (the same transcript through the same loop, seven more Whisper runs).
+ADAPTIVE_FAST = ("plain", "lookup")
 CASES = [pytest.param(name, forced, id=f"{'k=3' if forced else 'adaptive'}-{name}",
                       marks=() if forced or name in ADAPTIVE_FAST else pytest.mark.slow)
          for forced in (False, True) for name in DRAFTERS]
@@ -50,13 +50,15 @@ CASES = [pytest.param(name, forced, id=f"{'k=3' if forced else 'adaptive'}-{name
 @pytest.mark.parametrize("name, forced", CASES)
 def test_every_drafter_gives_the_reference_transcript(whisper_base, whisper_tiny_en, clip, repeated_clip, name,
                                                       forced):
+    drafted = 0
     for path in (clip, repeated_clip):
         kwargs = dict(DRAFTERS[name], schedule=Constant(k=3)) if forced else DRAFTERS[name]
         out = transcribe(whisper_base, path, language="en", **kwargs)
         assert len(out.windows) == 1
         assert spoken(out.windows[0], whisper_base) == reference(whisper_base, path)
-        if forced and name != "plain":
-            assert out.stats.drafted_tokens > 0  # the verification path ran
+        drafted += out.stats.drafted_tokens
+    if forced and name != "plain":
+        assert drafted > 0  # the verification path ran (the n-gram cache: on the repeated clip, whatever ran before)
 
 
 def test_drafts_are_accepted_where_the_speech_repeats(whisper_base, repeated_clip):
@@ -325,12 +327,13 @@ def test_the_cli_prints_the_segments(long_clip):
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-m", "assistgen.cli.main", "transcribe", long_clip, "--self-draft",
+    tiny = ["--model", "whisper-tiny-en"]  # (the CLI's printing is the point here: the smaller Whisper)
+    run = subprocess.run([sys.executable, "-m", "assistgen.cli.main", "transcribe", long_clip, *tiny, "--self-draft",
                           "--language", "en", "--quiet-stats"], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.strip().split("\n")
-    assert len(lines) >= 4 and lines[0].startswith("[0.00 --> ") and "harbor" in lines[0]  # over 30 s: timestamps
-    run = subprocess.run([sys.executable, "-m", "assistgen.cli.main", "transcribe", long_clip, "--json",
+    assert len(lines) >= 4 and lines[0].startswith("[0.00 --> ") and "harbor" in lines[0].lower()
+    run = subprocess.run([sys.executable, "-m", "assistgen.cli.main", "transcribe", long_clip, *tiny, "--json",
                           "--language", "en", "--quiet-stats"], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
