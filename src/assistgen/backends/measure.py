@@ -22,7 +22,7 @@ import torch
 from assistgen.backends.base import MAX_K
 from assistgen.backends.machine import cpu_ticks, others_share
 
-CONTENDED = 0.25  # other processes' share of our CPUs above which a measurement is not kept (half a core of two)
+CONTENDED = 0.1  # other processes' share of our CPUs above which a measurement is not kept (a fifth of a core of two)
 
 
 def step_times(model, max_k: int = MAX_K, context: int = 128, repeats: int = 3,
