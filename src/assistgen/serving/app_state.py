@@ -1,14 +1,16 @@
 """What the server's handlers share: its settings (`ServerSettings`) and the app's state (`AppState`: the engine,
-its model's context, the metrics, the speech model it transcribes with, whether it is closing), found from a request
-by `state_of`."""
+its model's context, the metrics, the speech model it transcribes with, whether it is closing, the call syntax of its
+model's template), found from a request by `state_of`."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import Request as HTTPRequest
 
+from assistgen.chat.syntax import CallSyntax, call_syntax
 from assistgen.config import ConfigError
 from assistgen.serving.batching import BatchEngine
 from assistgen.serving.metrics import Metrics
@@ -45,6 +47,12 @@ class AppState:
     metrics: Metrics
     speech: SpeechService | None = None  # the speech model /v1/audio/transcriptions uses (None: none served)
     closing: bool = False
+
+    @functools.cached_property
+    def call_syntax(self) -> CallSyntax | None:
+        """How the target's chat template writes tool calls, its markers looked up in its tokenizer once (None: the
+        template renders no tools)."""
+        return call_syntax(self.engine.target.tokenizer)
 
 
 def state_of(http: HTTPRequest) -> AppState:

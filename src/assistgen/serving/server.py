@@ -43,7 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from assistgen.api import encode_prompt
 from assistgen.chat.grammar import ToolSchemaError, call_structure
-from assistgen.chat.syntax import CallSyntax, call_syntax
+from assistgen.chat.syntax import CallSyntax
 from assistgen.chat.templates import encode_chat
 from assistgen.config import ConfigError, Structure
 from assistgen.policy.costs import costs_state
@@ -95,7 +95,7 @@ def tools_for(state: AppState, plan: ToolPlan | None) -> tuple[CallSyntax | None
     no tools: nothing to call)."""
     if plan is None or plan.choice == "none":
         return None, None, None
-    syntax = call_syntax(state.engine.target.tokenizer)
+    syntax = state.call_syntax
     if syntax is None:
         raise APIError(400, f"tools: the chat template of {state.settings.model_name} renders no tools: serve a model "
                        "whose template does (e.g. qwen2.5-coder-1.5b) or start the server with --chat-template.",
