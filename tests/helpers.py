@@ -360,6 +360,16 @@ def fuzz_for_5xx(url: str, bodies, base: dict, examples: int, seconds: float | N
     return seen
 
 
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a time zone.",
+    "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}
+
+
+def schemas_of(tools: list[dict]) -> dict[str, dict]:
+    """Each OpenAI tool's parameter schema, by its function's name."""
+    return {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+
+
 def tool_bodies(tools: list[dict], ask: list[dict]):
     """A hypothesis strategy of chat bodies whose `tools`, `tool_choice`, `parallel_tool_calls`, `stream` and messages
     (with calls and tool results) are anything a client may send: well-formed (`tools`, `ask`) or junk."""

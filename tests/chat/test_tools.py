@@ -16,11 +16,13 @@ import openai
 import pytest
 from helpers import (
     GEMMA_TOOLS_TEMPLATE,
+    TIME_TOOL,
     TOOLS_TEMPLATE,
     assert_400,
     assert_valid_calls,
     fuzz_for_5xx,
     openai_client,
+    schemas_of,
     serve,
     serve_smollm2_with_tools,
     steps_of,
@@ -44,11 +46,9 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
                                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
                    "required": ["city", "unit"]}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The time in a time zone.",
-    "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}
+TIME = TIME_TOOL
 TOOLS = [WEATHER, TIME]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+SCHEMAS = schemas_of(TOOLS)
 ASK = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
 TEXT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius", '
         '"note": "a \\"quoted\\" }\\n</tool_call> inside"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", '

@@ -8,7 +8,17 @@ test-agents` (CI), not `make test`."""
 from __future__ import annotations
 
 import pytest
-from helpers import assert_valid_calls, fuzz_for_5xx, openai_client, serve, steps_of, tool_bodies, tool_reply
+from helpers import (
+    TIME_TOOL,
+    assert_valid_calls,
+    fuzz_for_5xx,
+    openai_client,
+    schemas_of,
+    serve,
+    steps_of,
+    tool_bodies,
+    tool_reply,
+)
 
 from assistgen import load_model
 from assistgen.chat.grammar import call_structure
@@ -23,11 +33,9 @@ MODEL = "qwen2.5-coder-0.5b"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The time in a time zone.",
-    "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}
+TIME = TIME_TOOL
 TOOLS = [WEATHER, TIME]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+SCHEMAS = schemas_of(TOOLS)
 ASK = [{"role": "user", "content": "What is the weather in Paris and in Tokyo?"}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 CHOICES = ["none", "auto", "required", {"type": "function", "function": {"name": "get_time"}}]
