@@ -25,6 +25,7 @@ from pathlib import Path
 
 from assistgen.backends.budget import check_model_budget, resident
 from assistgen.backends.embedded import EMBEDDED, ModelLoadError, say
+from assistgen.backends.gguf_reads import parsed_once
 from assistgen.backends.llamacpp.convert import converted_gguf
 from assistgen.backends.llamacpp.exactness import kernel_switch
 from assistgen.backends.llamacpp.gguf import tensor_sizes
@@ -191,7 +192,8 @@ def _tokenizer(path: Path, key: str):
         return AutoTokenizer.from_pretrained(str(folder))
     say(f"First use of {path.name} on llama.cpp: reading its tokenizer (cached in {folder}).")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        with parsed_once():  # (transformers parses the file for the config and for the tokenizer)
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:  # transformers raises many kinds on a file it cannot read
         raise ModelLoadError(f"Could not read the tokenizer of {path}: {type(e).__name__}: {e}") from e
     with replaced_atomically(folder) as tmp:

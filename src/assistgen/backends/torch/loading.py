@@ -25,6 +25,7 @@ import torch
 from assistgen.backends.budget import resident
 from assistgen.backends.embedded import EMBEDDED, EmbeddedModel, ModelLoadError
 from assistgen.backends.embedded import say as _say
+from assistgen.backends.gguf_reads import parsed_once
 from assistgen.backends.torch import offload
 from assistgen.backends.torch.devices import DeviceError, resolve_device
 from assistgen.backends.torch.model import Model
@@ -127,7 +128,7 @@ class _Source:
         if for_quantizing:  # straight from the GGUF file: no float folder written for a model used quantized
             hf, tokenizer = _read_gguf(gguf, dtype, self.entry)
             return Model(hf.eval(), tokenizer, self.name)
-        _say(f"First use of {self.name}: converting its GGUF file to float32 (dequantizing takes about a minute); "
+        _say(f"First use of {self.name}: converting its GGUF file to float32 (dequantizing takes about half a minute); "
              f"the result is cached in {self.converted}.")
         _convert_gguf(gguf, self.converted, self.entry)
         return _load_folder(self.converted, dtype, self.name, placement)
@@ -160,8 +161,9 @@ def _read_gguf(path: Path, dtype: torch.dtype, entry: EmbeddedModel | None = Non
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        with parsed_once():  # (transformers parses the file for the config, the weights and the tokenizer)
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:  # transformers raises many kinds on a damaged file
         if entry is not None and entry.split is not None:
             path.unlink(missing_ok=True)

@@ -1,0 +1,56 @@
+"""transformers' reads of a GGUF file, each file parsed once and without numpy.memmap's per-item overhead.
+
+Contract: inside `parsed_once()`, every `gguf.GGUFReader(path)` that transformers makes (it makes one for the
+config, one for the tokenizer and one for the weights, each parsing the whole metadata again: a 262k-token
+vocabulary is three arrays of 262k items parsed one item at a time) returns one `_Reader` per file (path, size and
+time), the same object each time. `_Reader` is gguf's own reader, its fields and tensors the same values, with the
+file's bytes indexed as a plain ndarray view of the memory map (numpy.memmap's Python-level `__getitem__`, called
+for every item, was two thirds of the parse). The readers are read-only, and are dropped when the block ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+
+def _reader_class():
+    import numpy as np
+    from gguf import GGUFReader
+
+    class _Reader(GGUFReader):
+        """gguf's reader over a plain ndarray view of the file's memory map (the map stays open through it)."""
+
+        @property
+        def data(self):
+            return self._bytes
+
+        @data.setter
+        def data(self, value):
+            self._bytes = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    return _Reader
+
+
+@contextlib.contextmanager
+def parsed_once() -> Iterator[None]:
+    """While open, `gguf.GGUFReader(path)` gives one fast reader per file (see the module's contract)."""
+    import gguf
+
+    original, reader_class, readers = gguf.GGUFReader, _reader_class(), {}
+
+    def reader(path, mode="r"):
+        if mode != "r":
+            return original(path, mode)
+        stat = os.stat(path)
+        key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+        if key not in readers:
+            readers[key] = reader_class(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
