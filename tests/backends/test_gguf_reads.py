@@ -47,3 +47,11 @@ def test_each_file_has_its_own_reader(tmp_path):
     small_gguf(tmp_path / "two.gguf")
     with parsed_once():
         assert gguf.GGUFReader(tmp_path / "one.gguf") is not gguf.GGUFReader(tmp_path / "two.gguf")
+
+
+def test_the_tensor_name_map_is_built_once_per_architecture_and_depth():
+    with parsed_once():
+        first = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30) is first
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is not first
+    assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30) is not first

@@ -5,7 +5,9 @@ config, one for the tokenizer and one for the weights, each parsing the whole me
 vocabulary is three arrays of 262k items parsed one item at a time) returns one `_Reader` per file (path, size and
 time), the same object each time. `_Reader` is gguf's own reader, its fields and tensors the same values, with the
 file's bytes indexed as a plain ndarray view of the memory map (numpy.memmap's Python-level `__getitem__`, called
-for every item, was two thirds of the parse). The readers are read-only, and are dropped when the block ends.
+for every item, was two thirds of the parse). Likewise `gguf.get_tensor_name_map(arch, blocks)`, which transformers
+asks again for every submodule of the model, is built once per (arch, blocks). What is built is read-only, and is
+dropped when the block ends; outside the block gguf is as it was.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def parsed_once() -> Iterator[None]:
     import gguf
 
     original, reader_class, readers = gguf.GGUFReader, _reader_class(), {}
+    original_map, maps = gguf.get_tensor_name_map, {}
 
     def reader(path, mode="r"):
         if mode != "r":
@@ -49,8 +52,13 @@ def parsed_once() -> Iterator[None]:
             readers[key] = reader_class(path, mode)
         return readers[key]
 
-    gguf.GGUFReader = reader
+    def name_map(arch, n_blocks):
+        if (arch, n_blocks) not in maps:
+            maps[arch, n_blocks] = original_map(arch, n_blocks)
+        return maps[arch, n_blocks]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
     try:
         yield
     finally:
-        gguf.GGUFReader = original
+        gguf.GGUFReader, gguf.get_tensor_name_map = original, original_map
