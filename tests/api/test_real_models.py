@@ -10,8 +10,8 @@ from reference import first_divergence
 
 from assistgen import TokenizerMismatchError, generate, load_model
 from assistgen.api import encode_prompt
-from assistgen.backends.torch.model import Model
 from assistgen.backends.torch.attention import grouped_query_attention
+from assistgen.backends.torch.model import Model
 from assistgen.backends.torch.small_rows import is_applied, small_rows_linear
 from assistgen.cli.demo import summary_prompt
 from assistgen.cli.main import main

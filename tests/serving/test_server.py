@@ -93,11 +93,11 @@ def test_eight_concurrent_streams_each_match_their_single_run(live, smollm2):
     client = live.client
     prompts = [f"{w} one, {w} two, {w} one, {w} two, {w} one," for w in
                ("red", "blue", "green", "cat", "dog", "sun", "moon", "tree")]
-    singles = [client.completions.create(model=NAME, prompt=p, max_tokens=24) for p in prompts]
+    singles = [client.completions.create(model=NAME, prompt=p, max_tokens=14) for p in prompts]
     with ThreadPoolExecutor(8) as pool:
-        streamed = list(pool.map(lambda p: stream_text(client, p, 24), prompts, timeout=120))
+        streamed = list(pool.map(lambda p: stream_text(client, p, 14), prompts, timeout=120))
     assert [text for text, _ in streamed] == [s.choices[0].text for s in singles]
-    assert [text for text, _ in streamed] == [generate(smollm2, p, lookup=True, max_new_tokens=24).text
+    assert [text for text, _ in streamed] == [generate(smollm2, p, lookup=True, max_new_tokens=14).text
                                               for p in prompts]  # the library alone, in this process
     assert any(s.model_extra["metrics"]["speculative_decoding"]["num_draft_tokens"] > 0 for s in singles)
     assert live.engine.largest_batch >= 4  # the streams were stepped together

@@ -42,11 +42,13 @@ DRAFTERS = {
 }
 
 
-# Every drafter on a forced schedule (its verification path runs); on the adaptive one, two of them in `make test`
-# and the rest in `make test-slow` (the same transcript through the same loop, seven more Whisper runs).
+# Every kind of drafter on a forced schedule (its verification path runs); on the adaptive one, two of them in
+# `make test`, and the rest in `make test-slow` (the same transcript through the same loop, nine more Whisper runs:
+# the adaptive ones, and the float universal assistant and the int4 self-draft, variants of kinds tested here).
 ADAPTIVE_FAST = ("plain", "lookup")
+FORCED_SLOW = ("assistant (universal, float)", "self-draft int4")
 CASES = [pytest.param(name, forced, id=f"{'k=3' if forced else 'adaptive'}-{name}",
-                      marks=() if forced or name in ADAPTIVE_FAST else pytest.mark.slow)
+                      marks=() if (name not in FORCED_SLOW if forced else name in ADAPTIVE_FAST) else pytest.mark.slow)
          for forced in (False, True) for name in DRAFTERS]
 
 
