@@ -120,6 +120,8 @@ def test_speculation_under_a_cap_below_the_weights_is_exact_and_stays_inside_it(
     check_capped(gguf, {"backend": "llama.cpp", "context": 512, "max_memory": "400MB"}, [gguf], gguf.stat().st_size)
 
 
+@pytest.mark.slow  # (`make test-slow`; in `make test` the cap is tested on the default backend, above, and the torch
+# backend's offloaded loading by test_the_torch_backend_names_the_smallest_budget_too_and_makes_no_packed_copies)
 @pytest.mark.skipif(cgroups_available() is not None, reason=f"memory cgroups: {cgroups_available()}")
 def test_torch_int4_under_a_cap_below_its_weights_is_exact_and_stays_inside_it(tmp_path):
     # The quantized copy, memory-mapped by torch.load: a private cache folder holding a copy of it (see above).
