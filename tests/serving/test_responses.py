@@ -13,7 +13,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from helpers import assert_400, fuzz_for_5xx, openai_client, serve_smollm2_with_tools
+from helpers import TOOLS_TEMPLATE, assert_400, fuzz_for_5xx, openai_client, serve
 from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
@@ -123,7 +123,9 @@ def test_a_reply_cut_by_max_output_tokens_is_incomplete():
 
 @pytest.fixture(scope="module")
 def server():
-    yield from serve_smollm2_with_tools()
+    """SmolLM2 with tools; a request that asks for no token limit (the fuzz draws `"max_output_tokens": null`) gets 80
+    new tokens at most, not the rest of the context."""
+    yield from serve("smollm2-135m", "--lookup", "--chat-template", str(TOOLS_TEMPLATE), "--max-tokens-limit", "80")
 
 
 def client(url: str, key: str = "responses") -> openai.OpenAI:
@@ -265,6 +267,7 @@ RESPONSES_BODY = st.fixed_dictionaries(
 
 @pytest.mark.integration
 def test_fuzzed_input_tools_and_formats_never_get_a_5xx(server):
-    """A bounded fuzz (127.0.0.1, 200 requests of 2 tokens at most): a 200 or a 4xx with OpenAI's error body."""
+    """A bounded fuzz (127.0.0.1, 200 requests of 2 tokens at most, or of the server's 80 where a body asks for no
+    limit): a 200 or a 4xx with OpenAI's error body."""
     seen = fuzz_for_5xx(f"{server}/v1/responses", RESPONSES_BODY, {"model": NAME, "max_output_tokens": 2}, 200)
     assert seen["ok"] > 5 and seen["refused"] > 5

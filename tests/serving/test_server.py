@@ -542,11 +542,20 @@ def test_fuzz_of_the_structured_output_and_logprobs_fields_never_5xx(small):
 
 
 def test_the_command_serves_and_exits_0_on_sigterm(tmp_path):
-    """`assistgen serve` as a user starts it: it answers, and SIGTERM stops it cleanly (exit status 0)."""
-    process, port = start_serve_command("--model", NAME, "--lookup")
+    """`assistgen serve` as a user starts it: it answers (within its --max-tokens-limit), and SIGTERM stops it cleanly
+    (exit status 0)."""
+    from assistgen.cli.main import main
+
+    assert main(["serve", "--model", NAME, "--max-tokens-limit", "0"]) == 2  # refused before anything loads
+    process, port = start_serve_command("--model", NAME, "--lookup", "--max-tokens-limit", "6")
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", timeout=60, max_retries=0)
         assert client.completions.create(model=NAME, prompt=REPEATING, max_tokens=4).usage.completion_tokens == 4
+        unbounded = client.completions.create(model=NAME, prompt=REPEATING)  # none asked: up to the server's 6
+        assert unbounded.usage.completion_tokens == 6 and unbounded.choices[0].finish_reason == "length"
+        with pytest.raises(openai.BadRequestError, match="above this server's limit 6") as refused:
+            client.completions.create(model=NAME, prompt=REPEATING, max_tokens=7)
+        assert refused.value.body["param"] == "max_tokens"
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
         assert f"serving {NAME} at http://127.0.0.1:{port}/v1" in process.stdout.read()

@@ -131,6 +131,9 @@ def add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--max-batch", type=int, help="requests generated together")
     p.add_argument("--max-queue", type=int, help="requests waiting to join; more are answered 429")
+    p.add_argument("--max-tokens-limit", type=int, metavar="N",
+                   help="the most new tokens a request may ask for (more: a 400); one that asks for none gets up to "
+                        "N (default: no limit but the context, as OpenAI's)")
     p.add_argument("--prefill-budget", type=int,
                    help="prompt tokens fed per step over all joining requests, beside the running streams' rows")
     p.add_argument("--prefix-cache", metavar="BYTES",
@@ -281,7 +284,8 @@ def server_spec(args: argparse.Namespace):
     from assistgen.serving.batching import EngineSettings
 
     settings = ServerSettings(model_name=args.model, ngram_cache=args.ngram_cache, suffix=args.suffix,
-                              share_prefix_cache=args.share_prefix_cache, **serve_speech.limits(args))
+                              share_prefix_cache=args.share_prefix_cache, max_tokens_limit=args.max_tokens_limit,
+                              **serve_speech.limits(args))
     assistant = load_settings(args, assistant=True) if args.assistant else LoadSettings()
     return ServerSpec(args.model, serving_settings(args), args.assistant, assistant, fast_linear(args), args.lookup,
                       args.early_exit or False, args.schedule,

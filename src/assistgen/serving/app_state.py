@@ -30,6 +30,8 @@ class ServerSettings:
     max_audio_seconds: float = 600.0  # the longest audio a transcription request may send
 
     def __post_init__(self):
+        if self.max_tokens_limit is not None and not self.max_tokens_limit > 0:
+            raise ConfigError(f"max_tokens_limit (--max-tokens-limit) must be above 0, got {self.max_tokens_limit}.")
         if not self.max_upload_bytes > 0:
             raise ConfigError(f"max_upload_bytes must be above 0, got {self.max_upload_bytes}.")
         if not self.max_audio_seconds > 0:
