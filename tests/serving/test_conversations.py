@@ -78,6 +78,8 @@ def test_requests_arriving_at_random_on_llama_cpp_each_give_their_output_alone(s
     assert accepted > 0 and sum(g.stats.accepted_tokens for g in alone) > 0  # drafting happened
 
 
+@pytest.mark.slow  # (`make test-slow`; the same engine on the default backend above, and torch's batched streams
+# in tests/serving/test_server.py, stay in `make test`)
 @pytest.mark.integration
 def test_requests_arriving_at_random_on_torch_each_give_their_output_alone(smol_torch):
     prompts = [chat(smol_torch, s) for s in STORIES[:8]]
