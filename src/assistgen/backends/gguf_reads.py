@@ -7,14 +7,18 @@ time), the same object each time. `_Reader` is gguf's own reader, its fields and
 file's bytes indexed as a plain ndarray view of the memory map (numpy.memmap's Python-level `__getitem__`, called
 for every item, was two thirds of the parse). Likewise `gguf.get_tensor_name_map(arch, blocks)`, which transformers
 asks again for every submodule of the model, is built once per (arch, blocks). What is built is read-only, and is
-dropped when the block ends; outside the block gguf is as it was.
+dropped when the block ends; outside the block gguf is as it was. Blocks in several threads run one at a time (a
+process-wide lock), so that each restores what it replaced.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
+
+_ONE_AT_A_TIME = threading.RLock()
 
 
 def _reader_class():
@@ -38,6 +42,11 @@ def _reader_class():
 @contextlib.contextmanager
 def parsed_once() -> Iterator[None]:
     """While open, `gguf.GGUFReader(path)` gives one fast reader per file (see the module's contract)."""
+    with _ONE_AT_A_TIME:
+        yield from _patched()
+
+
+def _patched() -> Iterator[None]:
     import gguf
 
     original, reader_class, readers = gguf.GGUFReader, _reader_class(), {}
