@@ -216,10 +216,10 @@ def test_long_audio_is_decoded_as_transformers_long_form_does(whisper_base, whis
 def test_long_audio_conditioned_on_the_text_before(whisper_base, long_reference):
     samples, _ = long_reference
     reference_out = long_form(whisper_base, samples, condition_on_prev_tokens=True)
-    for kwargs in ({"self_draft": True, "schedule": Constant(k=3)},):  # (drafted: the verification path too)
-        out = transcribe(whisper_base, samples, language="en", condition_on_previous=True, **kwargs)
-        assert timestamped(out) == reference_out
-        assert out.windows[1].prompt_ids[0] == whisper_base.generation.prev_sot_token_id  # the text before it
+    out = transcribe(whisper_base, samples, language="en", condition_on_previous=True, self_draft=True,
+                     schedule=Constant(k=3))  # (drafted: the conditioning and the verification path at once)
+    assert timestamped(out) == reference_out
+    assert out.windows[1].prompt_ids[0] == whisper_base.generation.prev_sot_token_id  # the text before it
 
 
 def test_long_audio_with_a_prompt(whisper_base, long_reference):
@@ -235,7 +235,7 @@ def test_long_audio_with_a_prompt(whisper_base, long_reference):
 def test_short_audio_with_timestamps(whisper_base, clip):
     samples = read_audio(clip)
     reference_out = long_form(whisper_base, samples)
-    for kwargs in ({"self_draft": True, "schedule": Constant(k=3)},):  # (drafted: the verification path too)
+    for kwargs in ({}, {"self_draft": True, "schedule": Constant(k=3)}):
         out = transcribe(whisper_base, clip, timestamps=True, **kwargs)  # (the language detected)
         assert timestamped(out) == reference_out and out.language == "en"
     assert len(out.segments) >= 2 and out.segments[-1].end_s <= samples.size / 16000
