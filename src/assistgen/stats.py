@@ -16,7 +16,7 @@ class Stats:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of the prompt's tokens, those whose keys and values a kept cache held (not fed again)
     new_tokens: int = 0  # emitted (after stop truncation)
-    steps: int = 0  # verification steps = target forward passes after the prefill
+    steps: int = 0  # verification steps = target forward passes after the prefill (whose last gives the first token)
     draft_steps: int = 0  # verification steps that checked at least one draft token
     target_forward_passes: int = 0  # including the prefill
     draft_forward_passes: int = 0

@@ -164,7 +164,7 @@ def test_tiny_end_to_end_cli_writes_table_json_and_png(tmp_path, capsys):
     model.tokenizer.save_pretrained(tmp_path / "tiny")
     data = write_jsonl(tmp_path / "p.jsonl", TINY_SET)
     png = tmp_path / "speedups.png"
-    argv = ["bench", "--model", str(tmp_path / "tiny"), "--dataset", str(data), "--max-new-tokens", "8",
+    argv = ["bench", "--model", str(tmp_path / "tiny"), "--dataset", str(data), "--max-new-tokens", "16",
             "--temperatures", "0,1.0", "--out", str(tmp_path / "r.jsonl"), "--plot", str(png)]
     assert main(argv) == 0
     out = capsys.readouterr().out.strip().splitlines()

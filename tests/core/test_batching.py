@@ -236,17 +236,18 @@ def test_prefill_budget_is_shared_earliest_first_in_aligned_chunks(one_thread):
     config = GenerationConfig(max_new_tokens=4, eos_token_ids=())
     texts = ("abcdef", "ghijklmnop" * 4, "qrs")
     seqs = [begin(model, encode(t), NoDrafter(), Adaptive(), config) for t in texts]
-    need = [len(s.ids) - 1 for s in seqs]  # a sequence's cache stops one token short
+    need = [len(s.ids) for s in seqs]  # the pass that ends a prompt feeds its last token and emits the first
     budget = need[0] + PROMPT_ALIGN + 1
     plan = prefill_rows(seqs, budget)
     # the second's chunk does not end its prompt, so it is cut to a multiple of PROMPT_ALIGN; the third waits
     assert [len(plan.get(id(s), [])) for s in seqs] == [need[0], PROMPT_ALIGN, 0]
     assert sum(map(len, prefill_rows(seqs, None).values())) == sum(need)
     assert prefill_rows(seqs[1:], 5) == {id(seqs[1]): seqs[1].ids[:5]}  # a budget below it still feeds one
-    chunks = step(seqs, budget)
-    assert chunks == [None, None, None] and [len(s.cache) for s in seqs] == [need[0], PROMPT_ALIGN, 0]
-    chunks = step(seqs, need[1] - PROMPT_ALIGN)  # the first decodes, the second finishes its prompt, the third waits
-    assert chunks[0] is not None and chunks[1:] == [None, None]
+    chunks = step(seqs, budget)  # the first ends its prompt and emits its first token, the others do not yet
+    assert len(chunks[0].tokens) == 1 and chunks[1:] == [None, None]
+    assert [len(s.cache) for s in seqs] == [need[0], PROMPT_ALIGN, 0]
+    chunks = step(seqs, need[1] - PROMPT_ALIGN)  # the first decodes, the second ends its prompt, the third waits
+    assert chunks[0] is not None and len(chunks[1].tokens) == 1 and chunks[2] is None
     assert [len(s.cache) for s in seqs][1:] == [need[1], 0]
 
 

@@ -147,8 +147,8 @@ def test_statistics_are_consistent(kind, temperature):
                    seed=0, schedule=Heuristic(), **kwargs)
     s = out.stats
     assert s.new_tokens == len(out.token_ids)
-    # emitted = accepted + one per verification step, except for the cut at max_new_tokens
-    assert s.accepted_tokens + s.steps - s.new_tokens in range(0, s.drafted_tokens + 1)
+    # emitted = the prefill's one + accepted + one per verification step, except for the cut at max_new_tokens
+    assert 1 + s.accepted_tokens + s.steps - s.new_tokens in range(0, s.drafted_tokens + 1)
     assert sum(s.accept_histogram) == s.steps
     assert sum(i * c for i, c in enumerate(s.accept_histogram)) == s.accepted_tokens
     assert s.target_forward_passes == s.steps + 1
@@ -158,7 +158,20 @@ def test_statistics_are_consistent(kind, temperature):
     if kind in ("assistant", "self"):
         assert s.draft_forward_passes >= s.drafted_tokens
     if kind == "plain":
-        assert s.drafted_tokens == 0 and s.steps == 200
+        assert s.drafted_tokens == 0 and s.steps == 199
+
+
+def test_the_first_token_comes_from_the_prefill_with_no_draft_beside_it():
+    """The time to the first token is the prefill's: the pass that ends the prompt emits the first token alone,
+    however much a drafter could propose there; the drafts come after it, and the output is plain decoding's."""
+    target, assistant = tiny_llama(seed=0), tiny_llama(seed=0)  # the assistant is the target: drafts always right
+    ids = encode("abc abc abc abc abc abc")
+    chunks = list(stream(target, ids, assistant=assistant, schedule=Constant(8), max_new_tokens=30,
+                         eos_token_ids=()))
+    assert len(chunks[0].tokens) == 1
+    assert [len(c.tokens) for c in chunks[1:3]] == [9, 9]  # then every step verifies 8 and keeps them all
+    assert chunks[-1].stats.target_forward_passes == 1 + chunks[-1].stats.steps
+    assert [t for c in chunks for t in c.tokens] == hf_greedy(target, ids, 30)
 
 
 def test_stream_yields_tokens_then_final_stats():

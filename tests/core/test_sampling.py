@@ -26,7 +26,7 @@ from assistgen.backends.torch.model import Model
 
 SMALL = char_tokenizer("abcd")  # 7 tokens: <bos>, <eos>, <pad>, a..d
 PROMPT = SMALL("abcab")["input_ids"]
-LENGTH = 4  # new tokens per sample: one step can verify 3 draft tokens
+LENGTH = 5  # new tokens per sample: the first from the prefill, then one step can verify 3 draft tokens
 SAMPLES = 3000
 BROKEN_SAMPLES = 1000  # a broken acceptance rule with the far assistant: p about 1e-42 at 1000 samples, 1e-15 at 500
 SETTINGS = {

@@ -58,11 +58,10 @@ def reads_per_step(monkeypatch, target, drafters, config_of, texts) -> tuple[lis
     per_step = []
     while any(s.finish is None for s in states):
         running = [s for s in states if s.finish is None]
-        decoding = any(not s.prefilling for s in running)
         before = counter.reads
         with counter:
-            step(running)
-        per_step.append((decoding, counter.reads - before))
+            emitted = any(chunk is not None for chunk in step(running))  # (the pass that ends a prompt emits too)
+        per_step.append((emitted, counter.reads - before))
     return per_step, states
 
 
@@ -75,7 +74,7 @@ def test_a_greedy_batch_reads_the_device_once_per_step(monkeypatch):
     per_step, states = reads_per_step(monkeypatch, target, drafters,
                                       lambda i: GenerationConfig(max_new_tokens=24, eos_token_ids=()), TEXTS)
     assert sum(s.stats.drafted_tokens for s in states) > 0  # it verified drafts, several rows per generation
-    assert all(reads == (1 if decoding else 0) for decoding, reads in per_step), per_step
+    assert all(reads == (1 if emitted else 0) for emitted, reads in per_step), per_step
 
 
 @pytest.mark.parametrize("eager", [True, False])
@@ -89,11 +88,11 @@ def test_a_sampled_batch_reads_once_per_step_with_the_draws_made_beforehand(monk
 
     per_step, states = reads_per_step(monkeypatch, target, drafters, config, TEXTS[:2])
     assert all(s.stats.drafted_tokens > 0 for s in states)
-    decoding = [reads for is_decoding, reads in per_step if is_decoding]
+    emitting = [reads for emitted, reads in per_step if emitted]
     if eager:
-        assert all(reads == 1 for reads in decoding), per_step
+        assert all(reads == 1 for reads in emitting), per_step
     else:  # on the CPU the stop token is drawn after the read, one more each (no device to wait for there)
-        assert all(1 < reads <= 1 + len(TEXTS[:2]) for reads in decoding), per_step
+        assert all(1 < reads <= 1 + len(TEXTS[:2]) for reads in emitting), per_step
 
 
 def test_eager_draws_give_the_lazy_tokens_and_leave_the_generators_alike(monkeypatch):

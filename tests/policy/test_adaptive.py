@@ -163,7 +163,7 @@ def test_adaptive_plain_text_drafts_little_and_stays_exact():
     schedule = Adaptive(curve=LINEAR)  # no batching gain at all: a draft can never pay
     out = generate(target, ids, lookup=True, max_new_tokens=40, eos_token_ids=(), schedule=schedule)
     assert out.token_ids == hf_greedy(target, ids, 40)
-    assert out.stats.drafted_tokens == 0 and out.stats.steps == 40
+    assert out.stats.drafted_tokens == 0 and out.stats.steps == 39  # (the prefill gives the first token)
 
 
 def test_verification_costs_are_measured_once_and_cached_on_disk(tmp_path, monkeypatch):
@@ -335,11 +335,11 @@ def test_no_draft_token_is_verified_past_max_new_tokens():
         out = generate(target, ids, assistant=Oracle(ids, reference), schedule=Constant(k=16), max_new_tokens=n,
                        eos_token_ids=())
         assert out.token_ids == reference[:n]
-        # every step emits its accepted draft tokens plus one, and every verified draft token is accepted:
-        # nothing verified was thrown away at the end
-        assert out.stats.accepted_tokens + out.stats.steps == n
+        # the prefill emits one, every step its accepted draft tokens plus one, and every verified draft token is
+        # accepted: nothing verified was thrown away at the end
+        assert 1 + out.stats.accepted_tokens + out.stats.steps == n
         assert out.stats.drafted_tokens == out.stats.accepted_tokens
-        assert out.stats.steps == -(-n // 17)
+        assert out.stats.steps == -(-(n - 1) // 17)
 
 
 def test_near_the_end_it_verifies_everything_that_can_finish_the_generation():

@@ -9,7 +9,7 @@ nothing changes.
 from __future__ import annotations
 
 import pytest
-from helpers import encode, hf_greedy, tiny_llama
+from helpers import CHARS, encode, hf_greedy, tiny_llama
 
 from assistgen import Adaptive, generate
 from assistgen.policy.alternatives import StepPricing
@@ -19,7 +19,9 @@ from assistgen.spec.costs import PassCosts
 
 FLAT = Adaptive(curve=[1.0 + 0.02 * k for k in range(17)], drafter_cost_prior=0.01)  # streamed weights
 STEEP = Adaptive(curve=[1.0 + 0.6 * k for k in range(17)], drafter_cost_prior=0.01)  # a CPU without a cap
-PROMPT = "the cat sat on the mat. the dog sat on the rug. the cat sat on the"
+# Every character comes once first, so that prompt lookup has a draft at the first step whatever token the random
+# target emits first (the prefill's).
+PROMPT = CHARS + " the cat sat on the mat. the dog sat on the rug. the cat sat on the"
 N = 40
 
 
@@ -110,7 +112,9 @@ def test_alternatives_on_llama_cpp_in_forked_sequences():
 
     smol = load_model("smollm2-135m", backend="llama.cpp", context=1024, max_memory="1GB")
     enter(smol, PassCosts.from_curve(FLAT.curve))  # as measured with its weights streamed from the file
-    prompt = "def area(width, height):\n    return width * height\n\n\ndef volume(width, height, depth):\n"
+    # (raw code, no chat template: its continuation copies from the prompt from its first token on)
+    prompt = smol.tokenizer.encode("def area(width, height):\n    return width * height\n\n\n"
+                                   "def volume(width, height, depth):\n    return")
     plain = generate(smol, prompt, max_new_tokens=48)
     out = generate(smol, prompt, max_new_tokens=48, lookup=True, assistant=smol,
                    schedule=Adaptive(drafter_cost_prior=0.01))

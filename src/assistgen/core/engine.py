@@ -5,7 +5,9 @@ by one target forward pass over all their rows together (`begin` starts a genera
 `admission.py`: the context, the prompt's check and the grammar, found once): a joining generation's next prompt chunk
 (prefill), and for each decoding one its last token plus the draft it verifies (`feed_together` of the
 backend seam: each sequence attends only to its own positions). It returns one `Chunk` per generation
-(None for one still prefilling). `stream()` is a generator of `Chunk`s for one generation: the same
+(None for one still prefilling). The pass that ends a prompt emits the first token from the prompt's last row, as
+plain decoding does, with no draft beside it (`open_with`): the time to the first token is the prefill's.
+`stream()` is a generator of `Chunk`s for one generation: the same
 `step` over a batch of one, its cache borrowed from and given back to a prefix cache (`prefix.take_for`,
 `give_back`). Every way of generating in assistgen (plain decoding, every drafter, the
 batch API, the CLI, the server's `serving.batching.BatchEngine`, the benchmarks) goes through `step`;
@@ -125,11 +127,14 @@ def step(states: list[GenerationState], prefill_budget: int | None = None) -> li
     elapsed = clock() - t
     decoding, prefill = plan.decoding, plan.prefill
     own, other_logits = logits[: len(decoding)], iter(logits[len(decoding) + len(prefill):])
+    opening = []  # (generation, its masked row of the prompt's last token): the prefill gave its first token
     for (s, ids), rows in zip(prefill, logits[len(decoding): len(decoding) + len(prefill)], strict=True):
         s.stats.prefill_s += elapsed
         s.stats.target_forward_passes += 1
         if s.config.prompt_logprobs is not None:
             record_prompt_logprobs(s, rows, len(ids))
+        if len(s.cache) == len(s.ids):  # the prompt is all in: its last row predicts the first token
+            opening.append((s, rows[-1:] if s.constraint is None else first_row_masked(s.constraint, rows[-1:])))
     fed, rows_in_all = len(decoding) + len(prefill), sum(len(ids) for _, ids, _ in feeds)
     costs = plan.costs if plan.costs is not None or fed == 1 else known_costs(target)  # (fixed rules only: the
     # target's own costs, as the book holds them, share out the step's time; a step never measures)
@@ -144,9 +149,12 @@ def step(states: list[GenerationState], prefill_budget: int | None = None) -> li
         if p.state.constraint is not None:
             rows = p.state.constraint.mask(rows)
         kept.append((p, rows, share, lost, switched))
-    verdicts = verify_all([verification(p, rows) for p, rows, *_ in kept])  # one read to the host for the whole step
+    verdicts = verify_all([verification(p, rows) for p, rows, *_ in kept]  # one read to the host for the step
+                          + [Verification(rows, [], s.sampler) for s, rows in opening])
     chunks = {id(p.state): accept(p, rows, verdict, share, lost, switched)
-              for (p, rows, share, lost, switched), verdict in zip(kept, verdicts, strict=True)}
+              for (p, rows, share, lost, switched), verdict in zip(kept, verdicts[: len(kept)], strict=True)}
+    chunks.update({id(s): open_with(s, rows, verdict)
+                   for (s, rows), verdict in zip(opening, verdicts[len(kept):], strict=True)})
     return [chunks.get(id(s)) for s in states]
 
 
@@ -169,12 +177,13 @@ PROMPT_ALIGN = 16  # a prompt chunk that does not end the prompt is a multiple o
 
 def prefill_rows(prefilling: list[GenerationState], budget: int | None) -> dict[int, list[int]]:
     """{id(state): the prompt tokens it feeds this step}, earliest first, `budget` tokens in all (None: no limit).
-    The cache always ends one short of the sequence. Chunks other than a prompt's last are multiples of
+    The chunk that ends a prompt feeds its last token too, and its last row gives the first token (`open_with`):
+    the first token never waits for a draft's verification. Chunks other than a prompt's last are multiples of
     PROMPT_ALIGN rows, so that kernels that take rows in groups (llama.cpp's) group a prompt's rows the same way
     whether it came in one feed or several."""
     rows = {}
     for s in prefilling:
-        start, end = len(s.cache), len(s.ids) - 1
+        start, end = len(s.cache), len(s.ids)
         if budget is None or budget >= end - start:
             take = end - start
         else:  # (a budget below PROMPT_ALIGN still feeds the first in line)
@@ -188,10 +197,18 @@ def prefill_rows(prefilling: list[GenerationState], budget: int | None) -> dict[
 
 
 def record_prompt_logprobs(s: GenerationState, rows, fed: int) -> None:
-    """rows [fed, vocab] of the prompt chunk just fed (it ends at len(cache)): each predicts the prompt's next token."""
+    """rows [fed, vocab] of the prompt chunk just fed (it ends at len(cache)): each but the prompt's last predicts
+    the prompt's next token."""
     end = len(s.cache)
-    s.prompt_logprobs = (s.prompt_logprobs or []) + token_logprobs(rows, s.ids[end - fed + 1 : end + 1],
+    following = s.ids[end - fed + 1 : end + 1]  # [fed] ([fed - 1] when the chunk ends the prompt)
+    s.prompt_logprobs = (s.prompt_logprobs or []) + token_logprobs(rows[: len(following)], following,
                                                                    s.config.prompt_logprobs, probabilities=False)
+
+
+def first_row_masked(constraint: Constraint, row):
+    """row [1, vocab] of the prompt's last token, -inf where the grammar forbids the first token."""
+    constraint.check([])  # (no draft: the mask of the first row only)
+    return constraint.mask(row)
 
 
 def draft_for(s: GenerationState) -> Planned:
@@ -261,15 +278,25 @@ def accept(p: Planned, logits, verdict: Verdict, verify_s: float, losers: list[S
     for outcome in losers:
         s.run.alternatives.learn(outcome)
     s.stats.record_step(n, accepted)
+    return emit(s, draft.tokens[:accepted] + [token], logits if probs is None else probs, probs is not None)
 
-    new = draft.tokens[:accepted] + [token]
+
+def open_with(s: GenerationState, row, verdict: Verdict) -> Chunk:
+    """The first token, chosen from the row [1, vocab] of the prompt's last token (masked) in the pass that ended
+    the prompt, as plain decoding chooses it. That pass is the prefill's, not a verification step: the statistics
+    and the schedule learn nothing from it."""
+    return emit(s, [verdict.token], row if verdict.p is None else verdict.p, verdict.p is not None)
+
+
+def emit(s: GenerationState, new: list[int], rows, probabilities: bool) -> Chunk:
+    """The step's tokens `new` (rows [len(new), vocab]: the logits, or the probabilities, each was chosen from),
+    cut at the stops, added to the generation, and its chunk."""
     new, finish = apply_stops(new, s.stats.new_tokens, s.config, s.eos, s.text)
     if s.constraint is not None:
         s.constraint.advance(new)
     logprobs = None
-    if s.config.logprobs is not None:  # row i of the verification chose new[i]
-        logprobs = token_logprobs(logits if probs is None else probs, new, s.config.logprobs,
-                                  probabilities=probs is not None)
+    if s.config.logprobs is not None:  # row i chose new[i]
+        logprobs = token_logprobs(rows, new, s.config.logprobs, probabilities=probabilities)
     s.ids.extend(new)
     s.stats.new_tokens += len(new)
     if finish is None and len(s.ids) >= s.context:

@@ -54,7 +54,9 @@ class GenerationState:
 
     @property
     def prefilling(self) -> bool:
-        return self.stats.steps == 0 and len(self.cache) < len(self.ids) - 1
+        """Whether its prompt is still being fed: nothing emitted yet (the pass that ends the prompt emits the first
+        token)."""
+        return self.stats.new_tokens == 0 and self.finish is None
 
     @property
     def unfed(self) -> list[int]:
