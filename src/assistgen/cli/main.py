@@ -142,7 +142,7 @@ def add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--share-prefix-cache", action="store_true",
                    help="kept prefixes serve every request (default: only requests with the same API key)")
     p.add_argument("--fast-prompts", action="store_true",
-                   help="llama.cpp backend: prompts on ggml's fastest kernels (about 1.3x faster prefill); a turn "
+                   help="llama.cpp backend: prompts on ggml's fastest kernels (a faster prefill on some CPUs); a turn "
                         "continued from a kept prefix may then differ from the output a fresh server gives")
     ray = p.add_argument_group("replicas on Ray Serve (without --replicas: one process, no Ray)")
     ray.add_argument("--replicas", type=int, help="run N replicas on Ray Serve behind its HTTP proxy")
