@@ -74,8 +74,9 @@ class Stats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens produced per verification step: 1 + accepted / steps."""
-        return 1.0 + self.accepted_tokens / self.steps if self.steps else 0.0
+        """Tokens produced per verification step: 1 + accepted / steps (1.0 when the prefill's token was the only
+        one, 0.0 when nothing was emitted)."""
+        return 1.0 + self.accepted_tokens / self.steps if self.steps else float(self.new_tokens > 0)
 
     @property
     def other_s(self) -> float:

@@ -172,6 +172,8 @@ def test_the_first_token_comes_from_the_prefill_with_no_draft_beside_it():
     assert [len(c.tokens) for c in chunks[1:3]] == [9, 9]  # then every step verifies 8 and keeps them all
     assert chunks[-1].stats.target_forward_passes == 1 + chunks[-1].stats.steps
     assert [t for c in chunks for t in c.tokens] == hf_greedy(target, ids, 30)
+    one = generate(target, ids, assistant=assistant, max_new_tokens=1, eos_token_ids=()).stats  # the prefill's only
+    assert (one.steps, one.target_forward_passes, one.new_tokens, one.mean_accepted_length) == (0, 1, 1, 1.0)
 
 
 def test_stream_yields_tokens_then_final_stats():

@@ -67,9 +67,11 @@ def aggregate(records: list[dict], cost_curve: list[float] | None = None) -> lis
         row = {"temperature": temperature, "category": category, "method": method, "prompts": len(rs),
                "tokens": tokens, "tok_s": tokens / seconds if seconds else 0.0,
                "target_fwd_per_token": sum(r["target_forward_passes"] for r in rs) / max(tokens, 1)}
-        if all("prefill_s" in r for r in rs):  # assistgen's records: the time after the prefill
+        if all("prefill_s" in r for r in rs):  # assistgen's records: the tokens and time after the prefill (whose
+            # pass gives the first token)
             decode_s = sum(r["seconds"] - r["prefill_s"] for r in rs)
-            row["decode_tok_s"] = tokens / decode_s if decode_s > 0 else 0.0
+            decoded = sum(max(0, r["new_tokens"] - 1) for r in rs)
+            row["decode_tok_s"] = decoded / decode_s if decode_s > 0 else 0.0
         drafted = sum(r.get("drafted", 0) for r in rs)
         if "steps" in rs[0]:
             steps = sum(r["steps"] for r in rs)

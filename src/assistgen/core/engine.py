@@ -82,7 +82,8 @@ def begin(target: LanguageModel, prompt_ids: list[int], drafter: Drafter, schedu
     if constraint is not None and drafters:  # speculating: what the grammar forces is drafted first
         drafters = [GrammarDrafter(constraint)] + drafters
     started = target.clock()
-    run = schedule.prepare(target, drafters, len(prompt_ids), config.greedy, config.budget)  # its state
+    # (its state; its decisions begin after the prefill's token: the prompt and that token, budget - 1 to go)
+    run = schedule.prepare(target, drafters, len(prompt_ids) + 1, config.greedy, config.budget - 1)
     return GenerationState(target, list(prompt_ids), drafter, drafters, run, config, Sampler(config),
                            TextStream(target.tokenizer, config.stop),
                            Stats(mode=drafter.name, prompt_tokens=len(prompt_ids),
