@@ -76,8 +76,8 @@ def policy_on(model, costs, tokens: int) -> dict:
     rate, steps, texts = [], [], []
     for prompt in PROMPTS:
         out = generate(model, prompt, lookup=True, chat=True, max_new_tokens=tokens)
-        rate.append((out.stats.new_tokens - 1) / (out.stats.total_s - out.stats.prefill_s))  # (after the prefill's)
-        steps.append((out.stats.new_tokens - 1) / out.stats.steps)
+        rate.append(out.stats.decoded_tokens / (out.stats.total_s - out.stats.prefill_s))
+        steps.append(out.stats.decoded_tokens / out.stats.steps)
         texts.append(out.token_ids)
     return {"tok_s": sum(rate) / len(rate), "tokens_per_step": sum(steps) / len(steps), "ids": texts}
 

@@ -24,8 +24,7 @@ PROMPTS = ["Write a Python function that checks whether a number is prime.",
 
 def decode_rate(model, prompt: str, tokens: int, lookup: bool = False):
     out = generate(model, prompt, chat=True, max_new_tokens=tokens, lookup=lookup)
-    return (out.stats.new_tokens - 1) / (out.stats.total_s - out.stats.prefill_s), out.token_ids  # (the prefill
-    # gives the first token)
+    return out.stats.decoded_tokens / (out.stats.total_s - out.stats.prefill_s), out.token_ids
 
 
 def main() -> None:

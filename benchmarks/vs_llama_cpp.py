@@ -105,7 +105,7 @@ def main() -> None:
             out = generate(target, ids, max_new_tokens=args.max_new_tokens, **method_kwargs(method))
             whole = clock(device) - start
             t = totals.setdefault(f"assistgen {method}", [0.0, 0.0, 0.0])
-            t[0] += max(0, len(out.token_ids) - 1)  # (the prefill's pass gives the first token)
+            t[0] += out.stats.decoded_tokens
             t[1] += out.stats.total_s - out.stats.prefill_s
             t[2] += whole
             prefill[0] += len(ids)

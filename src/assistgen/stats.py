@@ -79,6 +79,11 @@ class Stats:
         return 1.0 + self.accepted_tokens / self.steps if self.steps else float(self.new_tokens > 0)
 
     @property
+    def decoded_tokens(self) -> int:
+        """The tokens after the prefill's pass (which gives the first): those `total_s - prefill_s` produced."""
+        return max(0, self.new_tokens - 1)
+
+    @property
     def other_s(self) -> float:
         return max(0.0, self.total_s - self.prefill_s - self.draft_s - self.verify_s)
 
