@@ -10,6 +10,9 @@ executes an instruction the CPU refuses (ud2: a real SIGILL) stands for one."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -17,7 +20,7 @@ from assistgen import ModelLoadError
 from assistgen.backends.base import LONG_K
 from assistgen.backends.embedded import EMBEDDED
 from assistgen.backends.llamacpp import guard
-from assistgen.backends.llamacpp.kernels import Case, check_rows, library_dir, model_cases
+from assistgen.backends.llamacpp.kernels import Case, check_rows, extra_buffer_types, library_dir, model_cases
 
 pytestmark = pytest.mark.integration
 
@@ -50,6 +53,9 @@ def test_every_kernel_of_the_shipped_models_gives_rows_1_to_65_the_one_row_bits(
     if avx2():  # ggml repacks q4_K for its AVX2 and AVX-512 kernels: that layout was checked, not only the plain one
         # (built for AVX2: the families' line of `assistgen info`)
         assert ("q4_K", "CPU_REPACK") in buffers and ("q4_K", "CPU") in buffers
+    if "AMX" in extra_buffer_types():  # an AMX build on an AMX CPU: its tile kernels (several rows) and its AVX512-VNNI
+        # one (one row) were held to each other for every type it takes
+        assert {(t, "AMX") for t in ("q4_1", "q8_0", "q4_K", "q6_K")} <= buffers
 
 
 def test_the_check_sees_a_kernel_that_is_not_row_exact():
@@ -83,6 +89,34 @@ def test_a_library_this_cpu_cannot_run_is_a_clear_error_not_a_crash(tmp_path, mo
         assert guard.check_cpu(probe="raise ValueError('no kernels')") == {}  # a failure short of a crash: a warning
 
 
+# A child that lives only with AMX kept off, as one whose tile set-up the machine refuses (llama.cpp PR #26954).
+AMX_REFUSED = ("import json, os\nif os.environ.get('ASSISTGEN_AMX') != '0':\n"
+               + "".join(f"    {line}\n" for line in ILLEGAL.strip().splitlines())
+               + "print(json.dumps({'extra': ['CPU_REPACK'], 'rows': []}))")
+
+
+def test_a_machine_that_refuses_amx_runs_without_it(tmp_path, monkeypatch):
+    from assistgen.backends.llamacpp.loading import library_report
+    from assistgen.backends.machine import cpu_flags
+
+    amx_here = "amx_int8" in cpu_flags() and "AMX_INT8 = 1" in library_report()["system_info"]  # (CPU and build)
+    monkeypatch.setenv("ASSISTGEN_CACHE", str(tmp_path))
+    monkeypatch.setenv("ASSISTGEN_AMX", "1")  # (allowed; and restored after the test, whatever the guard sets)
+    monkeypatch.setattr(guard, "_PASSED", {})
+    with pytest.warns(RuntimeWarning, match="AMX kernels crashed on this machine.*AVX-512 kernels run instead"):
+        record = guard.check_cpu(probe=AMX_REFUSED)
+    assert record["amx_off"] and os.environ["ASSISTGEN_AMX"] == "0"  # this process loads the libraries without it
+    # and the libraries obey it: a fresh process lists AMX's buffer type only where it is not set to 0
+    listing = [sys.executable, "-c", "from assistgen.backends.llamacpp.kernels import extra_buffer_types as e; "
+               "print(','.join(e()))"]
+    env = {**os.environ, "ASSISTGEN_NO_CPU_PROBE": "1"}
+    off = subprocess.run(listing, env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert "AMX" not in off[-1].split(",")
+    env.pop("ASSISTGEN_AMX")
+    on = subprocess.run(listing, env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert ("AMX" in on[-1].split(",")) == amx_here
+
+
 def test_the_probe_passes_here_and_is_remembered(tmp_path, monkeypatch):
     monkeypatch.setenv("ASSISTGEN_CACHE", str(tmp_path))
     monkeypatch.setattr(guard, "_PASSED", {})
@@ -91,6 +125,8 @@ def test_the_probe_passes_here_and_is_remembered(tmp_path, monkeypatch):
     assert exact and all(row[3] is None for row in exact)  # the switch's kernels, 1..65 rows, in the child
     assert guard.exact_rows(record) == guard.PROBE_ROWS == 1 + LONG_K
     assert {row[0].split("[")[0] for row in exact} >= {"q4_K", "q6_K", "q8_0", "q4_1", "q5_0"}
+    if "AMX" in record["extra"]:  # its weights went to AMX's buffer in the probe too (its shapes fit AMX's tiles)
+        assert {row[0].split("[")[0] for row in exact if row[1] == "AMX"} >= {"q4_K", "q6_K", "q8_0", "q4_1"}
     assert guard.record_path(library_dir()).is_file()
     monkeypatch.setattr(guard, "_PASSED", {})  # a new process on the same machine and libraries: read, not run
     monkeypatch.setattr(guard, "run_probe", lambda *args: pytest.fail("the probe ran again"))

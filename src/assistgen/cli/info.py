@@ -91,7 +91,8 @@ def kernel_lines(llama: dict) -> list[str]:
     type and buffer type, whether 1-5 rows in one pass give each row the one-row pass's bits."""
     pad = " " * 21
     families = ", ".join(f"{name} {'yes' if used else 'no'}" for name, used in llama["families"].items())
-    lines = [f"{pad}kernel families in use: {families} (AMX never: its tile kernels are not row-exact)"]
+    why = " (AMX kept off: its tile set-up crashed on this machine; ASSISTGEN_AMX=0)" if llama.get("amx_off") else ""
+    lines = [f"{pad}kernel families in use: {families}{why}"]
     for switch, label in ((True, "row-exact switch on"), (False, "fast kernels")):
         rows = [r for r in llama["kernel_check"] if r[2] is switch]
         differ = [f"{name} in {buft} from {n} rows" for name, buft, _, n in rows if n is not None]

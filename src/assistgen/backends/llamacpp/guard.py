@@ -3,14 +3,16 @@
 Contract: `check_cpu()` returns the probe's record ({"variant", "extra", "rows"}: the CPU library loaded, the extra
 buffer types, and the kernel check's rows as [case, buffer type, switch on, first differing row count or None]) once
 the libraries llama-cpp-python would load have multiplied, in a child process, every weight type the shipped models
-use (and f16, f32), on every buffer type that takes it, over 1..`PROBE_ROWS` rows, with the row-exact switch on (on a
-build that has it) and off. A child killed by a signal means loading them here would kill this process: SIGILL (a build
-for another instruction set: a wheel built on another machine, or reused from pip's cache) or another signal raises
-`ModelLoadError` naming the fix. A child that fails otherwise (a library too old for the check) is warned about once
-and the record is empty. A passing probe is remembered per libraries (path, size, time), forced CPU library and CPU
-(its name and flags) under the cache folder, so it runs once per machine and build; `$ASSISTGEN_NO_CPU_PROBE=1` skips
-it (the child itself runs with it). `exact_rows(record)` is how many rows of one pass the switch's kernels were seen
-to keep bitwise equal to the one-row pass.
+use (and f16, f32), on every buffer type that takes it, over 1..`PROBE_ROWS` rows, with the row-exact switch on (on
+a build that has it) and off. A child killed by a signal means loading them here would kill this process: SIGILL (a
+build for another instruction set: a wheel built on another machine, or reused from pip's cache) or another signal
+raises `ModelLoadError` naming the fix, unless the child lives with AMX's tile kernels kept off (`$ASSISTGEN_AMX=0`,
+which the patched libraries read when they first list their buffer types): then this process sets it too, with a
+warning, and runs on the AVX-512 kernels (`"amx_off"` in the record). A child that fails otherwise (a library too
+old for the check) is warned about once and the record is empty. A passing probe is remembered per libraries (path,
+size, time), forced CPU library and CPU (its name and flags) under the cache folder, so it runs once per machine and
+build; `$ASSISTGEN_NO_CPU_PROBE=1` skips it (the child itself runs with it). `exact_rows(record)` is how many rows
+of one pass the switch's kernels were seen to keep bitwise equal to the one-row pass.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from assistgen.backends.machine import cpu_identity
 from assistgen.paths import cache_root, replaced_atomically
 
 SKIP = "ASSISTGEN_NO_CPU_PROBE"
+NO_AMX = "ASSISTGEN_AMX"  # "0": the patched libraries do not offer AMX's buffer type (its tile kernels never run)
 PROBE_ROWS = 65  # 1 + LONG_K: a copy's longest verification
-# The probe: small matmuls of each type the shipped models use (and f16, f32) over 1..PROBE_ROWS rows, each buffer
-# type, both switch states; prints the record as JSON. It loads kernels.py by its path (argv[1]) and checks the
-# libraries in argv[2], so it imports numpy and ctypes only (not assistgen's package: no torch).
+# The probe: small matmuls (32 output rows: AMX takes multiples of 32) of each type the shipped models use (and f16,
+# f32) over 1..PROBE_ROWS rows, each buffer type, both switch states; prints the record as JSON. It loads kernels.py
+# by its path (argv[1]) and checks the libraries in argv[2], so it imports numpy and ctypes only (no torch).
 PROBE = """
 import importlib.util, json, sys
 from pathlib import Path
@@ -42,7 +45,7 @@ spec.loader.exec_module(k)
 lib = Path(sys.argv[2])
 variant = k.load_backends(lib)
 states = (True, False) if k.row_exact_switch(lib) is not None else (False,)
-rows = k.check_rows([k.Case(t, 256, 16) for t in (0, 1, 2, 3, 6, 8, 12, 14)], max_rows=int(sys.argv[3]),
+rows = k.check_rows([k.Case(t, 256, 32) for t in (0, 1, 2, 3, 6, 8, 12, 14)], max_rows=int(sys.argv[3]),
                     switch_states=states, lib_dir=lib, threads=2)
 print(json.dumps({"variant": variant, "extra": k.extra_buffer_types(lib),
                   "rows": [[r.case.name, r.buffer_type, r.row_exact_switch, r.first_differing_rows] for r in rows]}))
@@ -55,7 +58,8 @@ def record_path(lib_dir: Path) -> Path:
 
     forced = os.environ.get("ASSISTGEN_GGML_CPU", "")  # a portable build's CPU library, when one is forced
     libraries = library_identity(lib_dir / "libllama.so")
-    key = hashlib.sha256(f"{libraries}|{forced}|{cpu_identity()}".encode()).hexdigest()[:20]
+    key = f"{libraries}|{forced}|{cpu_identity()}" + ("|no-amx" if os.environ.get(NO_AMX) == "0" else "")
+    key = hashlib.sha256(key.encode()).hexdigest()[:20]
     return cache_root() / "cpu-probes" / f"llama-cpp-{key}.json"
 
 
@@ -71,21 +75,46 @@ def check_cpu(lib_dir: Path | None = None, probe: str = PROBE) -> dict:
         return _PASSED[str(path)]
     if probe is PROBE and path.is_file():
         try:
-            _PASSED[str(path)] = json.loads(path.read_text())
+            _PASSED[str(path)] = keep_amx_off(json.loads(path.read_text()))
             return _PASSED[str(path)]
         except (OSError, ValueError):
             pass
-    record = run_probe(lib_dir, probe)
+    try:
+        record = run_probe(lib_dir, probe)
+    except ProbeDied as died_with:
+        if os.environ.get(NO_AMX) == "0":
+            raise ModelLoadError(died(lib_dir, died_with.signal)) from None
+        try:  # AMX's tile set-up is the one path a CPU that has the instructions can still refuse (llama.cpp #26954)
+            record = run_probe(lib_dir, probe, {NO_AMX: "0"})
+        except ProbeDied:
+            raise ModelLoadError(died(lib_dir, died_with.signal)) from None
+        record = keep_amx_off({**record, "amx_off": True}, warn=True)
     if probe is PROBE and record:
         path.parent.mkdir(parents=True, exist_ok=True)
         with replaced_atomically(path) as tmp:
             tmp.write_text(json.dumps(record))
-        _PASSED[str(path)] = record
+        _PASSED[str(path)] = _PASSED[str(record_path(lib_dir))] = record  # (the second: under AMX kept off)
     return record
 
 
-def run_probe(lib_dir: Path, probe: str) -> dict:
-    env = {**os.environ, SKIP: "1"}
+class ProbeDied(Exception):
+    def __init__(self, number: int):
+        super().__init__(number)
+        self.signal = number
+
+
+def keep_amx_off(record: dict, warn: bool = False) -> dict:
+    """For a record whose probe lived only without AMX: keep AMX off in this process before it loads the libraries."""
+    if record.get("amx_off"):
+        os.environ[NO_AMX] = "0"
+        if warn:
+            warnings.warn("assistgen: llama.cpp's AMX kernels crashed on this machine (AMX tile set-up refused); its "
+                          f"AVX-512 kernels run instead ({NO_AMX}=0).", RuntimeWarning, stacklevel=4)
+    return record
+
+
+def run_probe(lib_dir: Path, probe: str, extra_env: dict | None = None) -> dict:
+    env = {**os.environ, SKIP: "1", **(extra_env or {})}
     kernels = Path(__file__).with_name("kernels.py")
     try:
         done = subprocess.run([sys.executable, "-c", probe, str(kernels), str(lib_dir), str(PROBE_ROWS)], env=env,
@@ -94,7 +123,7 @@ def run_probe(lib_dir: Path, probe: str) -> dict:
         raise ModelLoadError(f"The llama.cpp libraries in {lib_dir} did not finish a test multiplication in 300 s on "
                              f"this CPU; set {SKIP}=1 to skip the test.") from e
     if done.returncode < 0:
-        raise ModelLoadError(died(lib_dir, -done.returncode))
+        raise ProbeDied(-done.returncode)
     if done.returncode != 0:
         tail = " | ".join(done.stderr.strip().splitlines()[-2:])
         warnings.warn(f"assistgen: the start-up kernel check could not run on the llama.cpp libraries in {lib_dir} "

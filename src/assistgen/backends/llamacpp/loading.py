@@ -247,4 +247,5 @@ def library_report() -> dict:
     return {"available": True, "library": str(Path(lib._lib._name).resolve().parent),
             "row_exact": kernel_switch(lib) is not None, "system_info": system_info,
             "cpu_library": probe.get("variant") or "built in", "extra_buffer_types": probe.get("extra", []),
-            "families": kernel_families(system_info, probe.get("extra", [])), "kernel_check": probe.get("rows", [])}
+            "families": kernel_families(system_info, probe.get("extra", [])), "kernel_check": probe.get("rows", []),
+            "amx_off": bool(probe.get("amx_off"))}
