@@ -70,11 +70,11 @@ llamacpp-dist: $(LLAMA_WHEEL)
 
 # The portable build: the same sdist built as ggml builds for distribution (GGML_NATIVE off, GGML_BACKEND_DL with
 # GGML_CPU_ALL_VARIANTS: one CPU library per instruction-set level, the one for the CPU chosen at run time), here
-# the four levels PORTABLE_VARIANTS names (each one compiles the CPU backend: about 2 minutes each on 2 cores). Its
-# libraries are unpacked into build/portable; `make test-portable` runs the kernel check and the llama.cpp backend's
-# exactness tests on them once per level this CPU can run (ASSISTGEN_GGML_CPU forces one; LLAMA_CPP_LIB_PATH points
-# llama-cpp-python at them).
-PORTABLE_VARIANTS := x64;haswell;skylakex;icelake
+# the five levels PORTABLE_VARIANTS names (each one compiles the CPU backend: about 1-2 minutes each on 2 cores; the
+# last, sapphirerapids, is icelake with AMX). Its libraries are unpacked into build/portable; `make test-portable`
+# runs the kernel check and the llama.cpp backend's exactness tests on them once per level this CPU can run
+# (ASSISTGEN_GGML_CPU forces one; LLAMA_CPP_LIB_PATH points llama-cpp-python at them).
+PORTABLE_VARIANTS := x64;haswell;skylakex;icelake;sapphirerapids
 PORTABLE := build/portable
 $(PORTABLE)/.built: $(LLAMA_SDIST)
 	rm -rf $(PORTABLE) && mkdir -p $(PORTABLE)
