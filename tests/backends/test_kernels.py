@@ -143,3 +143,24 @@ def test_a_kernel_the_probe_saw_inexact_makes_the_model_say_so():
     reason = inexact_reason(lambda on: None, LlamaSettings(), rows, probe)
     assert "q6_K[256] in CPU from 4 rows" in reason and "can differ from plain decoding" in reason
     assert inexact_reason(lambda on: None, LlamaSettings(), guard.PROBE_ROWS, {"rows": []}) == ""
+
+
+# torch's bf16 matmul (oneDNN: AMX's tiles on a CPU that has them, released when it returns), then llama.cpp passes of
+# more than 4 rows (AMX's tile kernel) in the same process, and again: ggml must load its tile configuration again.
+TORCH_THEN_LLAMA = """
+import torch
+from assistgen import generate, load_model
+a, b = torch.randn(256, 1024, dtype=torch.bfloat16), torch.randn(1024, 1024, dtype=torch.bfloat16)
+(a @ b).sum()
+model = load_model("smollm2-135m", backend="llama.cpp")
+for prompt in ("one two three four five six seven eight nine ten eleven twelve", "alpha beta gamma delta epsilon zeta"):
+    out = generate(model, prompt, max_new_tokens=4)
+    (a @ b).sum()
+print("OK", len(out.token_ids))
+"""
+
+
+def test_llama_cpp_runs_after_torch_in_one_process():
+    """On an AMX machine this died with SIGILL while ggml loaded AMX's tile configuration once per thread."""
+    done = subprocess.run([sys.executable, "-c", TORCH_THEN_LLAMA], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "OK 4" in done.stdout, (done.returncode, done.stderr[-2000:])
