@@ -75,8 +75,7 @@ def check_cpu(lib_dir: Path | None = None, probe: str = PROBE) -> dict:
         return _PASSED[str(path)]
     if probe is PROBE and path.is_file():
         try:
-            _PASSED[str(path)] = keep_amx_off(json.loads(path.read_text()))
-            return _PASSED[str(path)]
+            return remember(lib_dir, path, keep_amx_off(json.loads(path.read_text())))
         except (OSError, ValueError):
             pass
     try:
@@ -93,7 +92,14 @@ def check_cpu(lib_dir: Path | None = None, probe: str = PROBE) -> dict:
         path.parent.mkdir(parents=True, exist_ok=True)
         with replaced_atomically(path) as tmp:
             tmp.write_text(json.dumps(record))
-        _PASSED[str(path)] = _PASSED[str(record_path(lib_dir))] = record  # (the second: under AMX kept off)
+        remember(lib_dir, path, record)
+    return record
+
+
+def remember(lib_dir: Path, path: Path, record: dict) -> dict:
+    """The record for this process, under its path and under the path it has once AMX is kept off (the key reads
+    `$ASSISTGEN_AMX`, which `keep_amx_off` may just have set): the later calls of this process find it either way."""
+    _PASSED[str(path)] = _PASSED[str(record_path(lib_dir))] = record
     return record
 
 
