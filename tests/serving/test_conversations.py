@@ -16,9 +16,9 @@ from helpers import assert_exact_or_near_tie, start_serve_command, tiny_llama
 
 from assistgen import ConfigError, Constant, Conversation, PrefixCache, Session, generate, load_model
 from assistgen.api import default_schedule, make_drafter
-from assistgen.chat.templates import encode_chat
+from assistgen.chat.templates import encode_chat, template_prefix
 from assistgen.config import GenerationConfig
-from assistgen.core.prefix import check_capacity
+from assistgen.core.prefix import NOBODY, PUBLIC, check_capacity
 from assistgen.serving.batching import BatchEngine, EngineSettings
 
 STORIES = [f"Write a short story about a {a} and a {b}." for a, b in
@@ -128,7 +128,7 @@ def test_the_prefix_cache_reuses_the_longest_prefix_per_namespace_within_its_bou
     got = prefix.take(list(range(1, 60)), "alice")
     assert got is one and len(got) == 40 and not prefix.entries  # extended whole: handed over
     prefix.give(got, "alice")
-    partial_share = prefix.take(list(range(1, 21)) + [99, 98], "alice")
+    partial_share = prefix.take(list(range(1, 21)) + [58, 59], "alice")
     assert partial_share is not one and partial_share.tokens == list(range(1, 21))  # a fork: the entry stays
     assert len(prefix.entries) == 1 and len(one) == 40
     for start in range(5):  # more than the bound holds: least recently used dropped, bytes within it
@@ -141,6 +141,53 @@ def test_the_prefix_cache_reuses_the_longest_prefix_per_namespace_within_its_bou
     assert prefix.queries > prefix.hits == 40 + 20
     prefix.give(model.new_cache(), "alice")  # an empty cache is not kept
     assert len(prefix.entries) == 3
+
+
+def test_a_templates_opening_serves_every_namespace_and_nothing_a_request_sent_does():
+    """`public` tokens (a chat template's opening) are kept once under PUBLIC and reused by any namespace, NOBODY's
+    (a request without a key) included, never further than the asking request's own public length."""
+    model = tiny_llama()
+    opening, said = list(range(1, 11)), list(range(20, 50))
+    alice = model.new_cache()
+    alice.feed(opening + said)
+    prefix = PrefixCache(model, capacity=10 * alice.nbytes())
+    prefix.give(alice, "alice", public=len(opening))
+    assert sorted((e.namespace, len(e.cache)) for e in prefix.entries.values()) == [(PUBLIC, 10), ("alice", 40)]
+    bob = prefix.take(opening + said + [7], "bob", public=len(opening))  # bob sends what alice said: the opening only
+    assert bob.tokens == opening and len(alice) == 40 and len(prefix.entries) == 2
+    bob.feed(said)
+    prefix.give(bob, "bob", public=len(opening))  # the opening is kept once
+    assert sorted(e.namespace for e in prefix.entries.values()) == [PUBLIC, "alice", "bob"]
+    assert prefix.take(opening + said, "carol", public=0) is None  # no public length: nothing another sent
+    assert len(prefix.take(opening + said + [7], "alice", public=len(opening))) == 40  # its own, whole
+    shorter = prefix.take(opening[:4] + [58, 59], NOBODY, public=4)  # up to the asking request's public length
+    assert shorter.tokens == opening[:4]
+    shorter.feed([58, 59])
+    prefix.give(shorter, NOBODY, public=4)  # NOBODY keeps nothing of its own; a public entry holds these already
+    assert sorted(e.namespace for e in prefix.entries.values()) == [PUBLIC, "bob"]
+    other = model.new_cache()
+    other.feed([5, 6, 7, 8])
+    prefix.give(other, NOBODY, public=3)  # another opening: NOBODY's cache becomes its public entry
+    assert sorted(e.cache.tokens for e in prefix.entries.values() if e.namespace == PUBLIC) == [opening, [5, 6, 7]]
+    assert prefix.take([5, 6, 7, 8, 9], "dave", public=3).tokens == [5, 6, 7]
+
+
+def test_the_templates_opening_holds_no_content_of_the_request(smol_llama):
+    """`template_prefix`: the leading tokens the chat template renders from nothing the request holds (SmolLM2: its
+    default system prompt and the user's header); with a system message, no word of it."""
+    model = smol_llama
+    for content in ["Write a haiku.", "\nYou are", "<|im_end|>", " ", "user"]:
+        messages = [{"role": "user", "content": content}]
+        ids = encode_chat(model, messages)
+        n = template_prefix(model, messages, ids)
+        opening = model.tokenizer.decode(ids[:n])
+        assert "You are a helpful AI assistant" in opening
+        assert opening.endswith("user\n" if content[0].isalnum() else ("user", "user\n"))  # ("\n" + " ": one token)
+        assert ids[:n] == encode_chat(model, [{"role": "user", "content": "something else"}])[:n]
+    messages = [{"role": "system", "content": "Secret plans."}, {"role": "user", "content": "Hi"}]
+    ids = encode_chat(model, messages)
+    n = template_prefix(model, messages, ids)
+    assert 0 < n < len(ids) - 3 and "Secret" not in model.tokenizer.decode(ids[:n])
 
 
 def test_a_prefix_cache_that_cannot_hold_one_sequence_is_refused():
@@ -206,10 +253,11 @@ def test_a_session_and_a_conversation_keep_their_cache_between_calls(smol_llama,
 
 
 @pytest.mark.integration
-def test_the_server_reuses_a_keys_prefix_and_answers_as_a_fresh_request():
+def test_the_server_reuses_a_keys_prefix_and_answers_as_a_fresh_request(smol_llama):
     """`assistgen serve --backend llama.cpp --lookup --suffix` with the official client: a key's second turn reports
-    cached prompt tokens, drafts, and gives the text another key gets for the same messages from scratch; /metrics
-    counts the hits; a prefix cache too small for one sequence is refused at start-up."""
+    cached prompt tokens, drafts, and gives the text another key gets for the same messages with only the chat
+    template's opening kept; /metrics counts the hits; a prefix cache too small for one sequence is refused at
+    start-up."""
     import httpx
     import openai
 
@@ -231,7 +279,9 @@ def test_the_server_reuses_a_keys_prefix_and_answers_as_a_fresh_request():
         events = list(stream)
         assert "".join(e.choices[0].delta.content or "" for e in events if e.choices) == \
             second.choices[0].message.content
-        assert events[-1].usage.prompt_tokens_details.cached_tokens == 0  # bob shares nothing with alice
+        opening = template_prefix(smol_llama, messages, encode_chat(smol_llama, messages))
+        assert 10 < opening < first.usage.prompt_tokens - 5  # SmolLM2's default system prompt and the user's header
+        assert events[-1].usage.prompt_tokens_details.cached_tokens == opening  # bob shares only that with alice
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
         hits = [line for line in metrics.splitlines() if line.startswith("assistgen:prefix_cache_hits_total")]
         assert hits and float(hits[0].split()[-1]) >= first.usage.prompt_tokens

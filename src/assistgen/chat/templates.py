@@ -4,7 +4,9 @@ Contract: `read_chat_template(template)` is a template's text from a Jinja file'
 to parse (ConfigError otherwise); `use_chat_template(model, template)` is the explicit step that replaces a model's
 template; `encode_chat(model, messages, tools)` renders chat messages (and OpenAI tools, where the template renders
 them: `chat.syntax.call_syntax`) into token ids with the prompt for the assistant's turn, a refusal by the template
-being a ConfigError. Nothing here generates.
+being a ConfigError; `template_prefix(model, messages, ids)` is how many of those ids' first tokens the template
+renders alone, from no content of the request (a default system prompt, the first role's header): tokens any
+request may share. Nothing here generates.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 from jinja2 import TemplateError
 
-from assistgen.backends.base import LanguageModel
+from assistgen.backends.base import LanguageModel, shared_prefix
 from assistgen.chat.syntax import call_syntax
 from assistgen.config import ConfigError
 
@@ -64,3 +66,19 @@ def encode_chat(model: LanguageModel, messages: list[dict], tools: list[dict] | 
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+def template_prefix(model: LanguageModel, messages: list[dict], ids: list[int]) -> int:
+    """How many leading tokens of `ids` (`encode_chat(model, messages)`) the template renders from nothing the request
+    holds: the template's opening for the first message's role (what it renders before that message's content,
+    whatever the content: the tokens two renderings of one such message, with different contents and no tools,
+    share; e.g. a default system prompt and the user's header), as far as `ids` begins with it. 0 where the template
+    refuses such a message."""
+    if not messages or not isinstance(messages[0], dict):
+        return 0
+    role = messages[0].get("role", "user")
+    try:
+        blank, other = (encode_chat(model, [{"role": role, "content": text}]) for text in ("", "A"))
+    except ConfigError:
+        return 0
+    return min(shared_prefix(blank, other), shared_prefix(blank, ids))

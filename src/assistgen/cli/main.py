@@ -140,7 +140,8 @@ def add_serve(p: argparse.ArgumentParser) -> None:
                    help="finished requests' keys and values kept so that a request reuses its longest cached prefix "
                         "(e.g. 1GB; 0: none; default 256MiB, or one full context where that is more)")
     p.add_argument("--share-prefix-cache", action="store_true",
-                   help="kept prefixes serve every request (default: only requests with the same API key)")
+                   help="kept prefixes serve every request (default: only requests with the same API key, and the "
+                        "chat template's opening every request)")
     p.add_argument("--fast-prompts", action="store_true",
                    help="llama.cpp backend: prompts on ggml's fastest kernels (a faster prefill on some CPUs); a turn "
                         "continued from a kept prefix may then differ from the output a fresh server gives")

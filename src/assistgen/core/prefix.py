@@ -6,11 +6,16 @@ generations have finished, each under a namespace: an entry serves only generati
 passes one per API key, so that a conversation's keys and values never reach another key's request unless the
 operator shares one namespace). `capacity` bounds the bytes the kept caches hold (`Cache.nbytes()`) and
 `max_entries` their number; past either, the least recently used entries are dropped (their memory given back).
-`take(ids, namespace)` returns a cache holding the longest kept prefix of `ids` (at most len(ids) - 1 tokens:
-the loop feeds at least the last one) and removes its entry, or forks it when the request shares only part of it
-(so that the entry still serves the others that share it); None when nothing kept shares a token with `ids` or
-the entry's namespace differs. `give(cache, namespace)` keeps a finished generation's cache (its `tokens` are
-what its keys and values were computed from, whatever was emitted). `take_for` and `give_back` are the one place a
+`take(ids, namespace, public)` returns a cache holding the longest kept prefix of `ids` (at most len(ids) - 1
+tokens: the loop feeds at least the last one) and removes its entry, or forks it when the request shares only part of
+it (so that the entry still serves the others that share it); None when nothing kept shares a token with `ids` or
+the entry's namespace differs. `give(cache, namespace, public)` keeps a finished generation's cache (its `tokens` are
+what its keys and values were computed from, whatever was emitted). `public`: how many of the prompt's first tokens
+came from no one's content (`chat.templates.template_prefix`: a chat template's default system prompt); `give` also
+keeps those tokens' rows once under `PUBLIC`, and `take` reuses a `PUBLIC` entry up to `public` tokens for any
+namespace, `NOBODY` (a request that keeps nothing of its own) included: every conversation shares its template's
+opening, as llama-server's slots and vLLM's prefix cache do, and nothing a request sent reaches another namespace.
+`take_for` and `give_back` are the one place a
 generation borrows and returns a cache (the engine's `stream` and the serving engine both use them): nothing is
 borrowed when prompt logprobs are asked for (they need every prompt row), and without a prefix cache the rows are
 given back at once. A cache's keys and values depend only on its tokens (on llama.cpp's row-exact build: prompts
@@ -27,6 +32,9 @@ from dataclasses import dataclass, field
 
 from assistgen.backends.base import Cache, LanguageModel, shared_prefix
 from assistgen.config import DEFAULT_PREFIX_CACHE, ConfigError, GenerationConfig
+
+PUBLIC = "\0public"  # the namespace of template-only prefixes: no key's namespace ("api-key:...", "shared") is it
+NOBODY = "\0nobody"  # a request's namespace that keeps nothing of its own: it shares only `PUBLIC` prefixes
 
 
 @dataclass
@@ -52,19 +60,21 @@ class PrefixCache:
         if isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 0:
             raise ConfigError(f"The prefix cache's capacity must be a number of bytes >= 0, got {self.capacity!r}.")
 
-    def take(self, ids: list[int], namespace: str | None = None) -> Cache | None:
-        """A cache holding the longest kept prefix of `ids` (cut to at most len(ids) - 1 tokens), or None."""
+    def take(self, ids: list[int], namespace: str | None = None, public: int = 0) -> Cache | None:
+        """A cache holding the longest kept prefix of `ids` (cut to at most len(ids) - 1 tokens), or None: from the
+        namespace's entries, or its first `public` tokens from a `PUBLIC` entry."""
         self.queries += len(ids)
         best, length = None, 0
         for key, entry in self.entries.items():
-            if entry.namespace == namespace:
-                n = min(shared_prefix(entry.cache.tokens, ids), len(ids) - 1)
-                if n > length:
-                    best, length = key, n
+            reach = len(ids) - 1 if entry.namespace == namespace else \
+                min(public, len(ids) - 1) if entry.namespace == PUBLIC else 0
+            n = min(shared_prefix(entry.cache.tokens, ids), reach)
+            if n > length:
+                best, length = key, n
         if best is None:
             return None
         entry = self.entries[best]
-        if length < len(entry.cache.tokens):  # the rest may serve others: a fork, cut to what is shared
+        if length < len(entry.cache.tokens) or entry.namespace == PUBLIC:  # it may serve others: a fork, cut
             try:
                 cache = entry.cache.fork()
             except ValueError:  # (no sequence left on the backend: hand the entry over instead)
@@ -77,8 +87,24 @@ class PrefixCache:
         self.hits += length
         return cache
 
-    def give(self, cache: Cache, namespace: str | None = None) -> None:
-        """Keep a finished generation's cache (dropping the least recently used entries past the bounds)."""
+    def give(self, cache: Cache, namespace: str | None = None, public: int = 0) -> None:
+        """Keep a finished generation's cache for `namespace` (`NOBODY`: nothing but its public part) and its first
+        `public` tokens under `PUBLIC` unless a public entry holds them already (dropping the least recently used
+        entries past the bounds)."""
+        public = min(public, len(cache))
+        part = None  # the cache that will hold the public tokens' rows
+        if public and not any(entry.namespace == PUBLIC and shared_prefix(cache.tokens[:public], entry.cache.tokens)
+                              == public for entry in self.entries.values()):  # (not when one holds these already)
+            part = cache if namespace == NOBODY else fork_or_none(cache)
+        if namespace != NOBODY:
+            self._keep(cache, namespace)
+        elif part is not cache:
+            cache.crop(0)
+        if part is not None:
+            part.crop(public)
+            self._keep(part, PUBLIC)
+
+    def _keep(self, cache: Cache, namespace: str | None) -> None:
         nbytes = cache.nbytes()
         if not len(cache) or nbytes > self.capacity:
             cache.crop(0)
@@ -108,23 +134,31 @@ class PrefixCache:
         return entry.cache
 
 
+def fork_or_none(cache: Cache) -> Cache | None:
+    """A fork of `cache`, or None where the backend has no sequence left to fork into."""
+    try:
+        return cache.fork()
+    except ValueError:
+        return None
+
+
 def take_for(prefix: PrefixCache | None, ids: list[int], namespace: str | None,
-             config: GenerationConfig) -> Cache | None:
-    """The cache a generation of `ids` starts from: the longest prefix `prefix` keeps for `namespace` (None: no prefix
-    cache, nothing kept, or prompt logprobs asked for: they need every prompt row fed)."""
+             config: GenerationConfig, public: int = 0) -> Cache | None:
+    """The cache a generation of `ids` starts from: the longest prefix `prefix` keeps for `namespace`, or its `public`
+    part (None: no prefix cache, nothing kept, or prompt logprobs asked for: they need every prompt row fed)."""
     if prefix is None or config.prompt_logprobs is not None:
         return None
-    return prefix.take(ids, namespace)
+    return prefix.take(ids, namespace, public)
 
 
-def give_back(prefix: PrefixCache | None, cache: Cache, namespace: str | None) -> None:
-    """A finished generation's cache: kept in `prefix` for its namespace's next generations, or (no prefix cache) its
-    rows given back now, not when it is garbage collected (on llama.cpp its cells and sequence id go back to the
-    pool)."""
+def give_back(prefix: PrefixCache | None, cache: Cache, namespace: str | None, public: int = 0) -> None:
+    """A finished generation's cache: kept in `prefix` for its namespace's next generations (and its `public` part
+    for everyone's), or (no prefix cache) its rows given back now, not when it is garbage collected (on llama.cpp its
+    cells and sequence id go back to the pool)."""
     if prefix is None:
         cache.crop(0)
     else:
-        prefix.give(cache, namespace)
+        prefix.give(cache, namespace, public)
 
 
 def default_capacity(model: LanguageModel) -> int:

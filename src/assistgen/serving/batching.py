@@ -79,13 +79,14 @@ class Request:
     """One submitted request: its chunks arrive in order; the last one has `finish_reason` set."""
 
     def __init__(self, admitted: Admission, on_chunk: Callable[[Chunk], None] | None,
-                 drafter: Drafter | None = None, namespace: str | None = None):
+                 drafter: Drafter | None = None, namespace: str | None = None, public: int = 0):
         self.id = f"req-{next(_ids)}"
         self.admitted = admitted
         self.prompt_ids = admitted.prompt_ids
         self.config = admitted.config
         self.drafter = drafter  # None: the engine's make_drafter() makes one
         self.namespace = namespace  # whose kept prefixes it may reuse and feed (None: none)
+        self.public = public  # its prompt's first tokens that hold no one's content (`core.prefix`: shared by all)
         self.error: str | None = None
         self.cancelled = threading.Event()
         self.done = threading.Event()
@@ -161,17 +162,18 @@ class BatchEngine:
 
     def submit(self, prompt: list[int] | Admission, config: GenerationConfig | None = None,
                on_chunk: Callable[[Chunk], None] | None = None, drafter: Drafter | None = None,
-               namespace: str | None = None) -> Request:
+               namespace: str | None = None, public: int = 0) -> Request:
         """Queue a request: `prompt` its ids, admitted here with `config`, or an `Admission` that `admit` made (for
         the same `drafter`; `config` then None). `namespace`: whose kept prefixes it reuses and whose it feeds
-        (None: it neither reuses nor leaves any)."""
+        (None: it neither reuses nor leaves any); `public`: how many of its first tokens hold no one's content (a chat
+        template's opening, `chat.templates.template_prefix`): kept rows of those may come from any request."""
         if isinstance(prompt, Admission):
             if config is not None:
                 raise ValueError("submit: an admitted request carries its config: give config=None")
             admitted = prompt
         else:
             admitted = self.admit(prompt, config, drafter)
-        request = Request(admitted, on_chunk, drafter, namespace)
+        request = Request(admitted, on_chunk, drafter, namespace, public)
         with self.lock:
             if not self.accepting:
                 raise QueueFull("The server is shutting down and accepts no new requests.")
@@ -270,7 +272,8 @@ class BatchEngine:
         cache = None
         try:
             drafter = request.drafter if request.drafter is not None else self.make_drafter()
-            cache = take_for(self._prefix(request), request.prompt_ids, request.namespace, request.config)
+            cache = take_for(self._prefix(request), request.prompt_ids, request.namespace, request.config,
+                             request.public)
             return begin(self.target, request.prompt_ids, drafter, self.schedule, request.config, cache,
                          request.admitted)
         except Exception as e:  # noqa: BLE001
@@ -282,7 +285,7 @@ class BatchEngine:
 
     def _release(self, request: Request, sequence: GenerationState) -> None:
         """A finished request's cache: kept for its namespace's next requests, or its rows given back now."""
-        give_back(self._prefix(request), sequence.cache, request.namespace)
+        give_back(self._prefix(request), sequence.cache, request.namespace, request.public)
 
     def _prefix(self, request: Request) -> PrefixCache | None:
         """The prefix cache a request reuses and feeds: the engine's, when the request names a namespace."""

@@ -19,6 +19,7 @@ from assistgen.chat.syntax import CallSyntax
 from assistgen.config import ConfigError, GenerationConfig, Structure
 from assistgen.core.admission import Admission, PromptError
 from assistgen.core.logprobs import TokenLogprob
+from assistgen.core.prefix import NOBODY
 from assistgen.core.state import Chunk
 from assistgen.drafters.ngram import NGramCache
 from assistgen.serving.app_state import AppState
@@ -103,12 +104,13 @@ def key_namespace(key: str) -> str:
     return "api-key:" + hashlib.sha256(key.encode()).hexdigest()
 
 
-def prefix_namespace(state: AppState, key: str | None) -> str | None:
-    """Whose kept prefixes a request reuses and feeds: its API key's (hashed); None without a key (nothing kept);
-    one namespace for all when the operator shares the prefix cache."""
+def prefix_namespace(state: AppState, key: str | None) -> str:
+    """Whose kept prefixes a request reuses and feeds: its API key's (hashed); without a key `NOBODY`'s (nothing of
+    its own kept: only the chat template's opening, which every request shares); one namespace for all when the
+    operator shares the prefix cache."""
     if state.settings.share_prefix_cache:
         return "shared"
-    return None if key is None else key_namespace(key)
+    return NOBODY if key is None else key_namespace(key)
 
 
 def check_model(state: AppState, name: str | None) -> None:
@@ -127,9 +129,10 @@ def encoded(encode: Callable[[], list[int]], param: str) -> list[int]:
 
 
 def submit(state: AppState, body: Sampling, prompts: list[list[int]], http: HTTPRequest,
-           calls: Structure | None = None, param: str = "prompt") -> list[Job]:
+           calls: Structure | None = None, param: str = "prompt", public: int = 0) -> list[Job]:
     """One engine request per prompt, each admitted before any is queued; a refusal cancels the ones already
-    queued. `calls`: the structure tool calls follow; `param`: the field the prompts came in."""
+    queued. `calls`: the structure tool calls follow; `param`: the field the prompts came in; `public`: how many of
+    each prompt's first tokens its chat template renders from no content (`chat.templates.template_prefix`)."""
     configs = [generation_config(body, state.settings.max_tokens_limit, state.context - len(ids), calls)
                for ids in prompts]
     if state.closing:
@@ -140,7 +143,7 @@ def submit(state: AppState, body: Sampling, prompts: list[list[int]], http: HTTP
     jobs: list[Job] = []
     try:
         for one, drafter in admitted:
-            jobs.append(submit_one(state, one, drafter, key, started))
+            jobs.append(submit_one(state, one, drafter, key, started, public))
     except APIError:
         for job in jobs:
             job.request.cancel()
@@ -161,11 +164,11 @@ def admission(state: AppState, ids: list[int], config: GenerationConfig, drafter
 
 
 def submit_one(state: AppState, admitted: Admission, drafter: Drafter | None, key: str | None,
-               started: float) -> Job:
+               started: float, public: int = 0) -> Job:
     job = Job(admitted.prompt_ids, asyncio.Queue(), started)
     try:
         job.request = state.engine.submit(admitted, None, chunk_sink(asyncio.get_running_loop(), job.queue),
-                                          drafter=drafter, namespace=prefix_namespace(state, key))
+                                          drafter=drafter, namespace=prefix_namespace(state, key), public=public)
     except QueueFull as e:
         if state.closing:
             raise APIError(503, "The server is shutting down.", "service_unavailable") from e

@@ -44,7 +44,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from assistgen.api import encode_prompt
 from assistgen.chat.grammar import ToolSchemaError, call_structure
 from assistgen.chat.syntax import CallSyntax
-from assistgen.chat.templates import encode_chat
+from assistgen.chat.templates import encode_chat, template_prefix
 from assistgen.config import ConfigError, Structure
 from assistgen.policy.costs import costs_state
 from assistgen.serving.app_state import AppState, ServerSettings, state_of
@@ -84,7 +84,7 @@ async def chat_completions(body: ChatRequest, http: HTTPRequest):
     messages = message_dicts(body.messages)
     syntax, calls, specs = tools_for(state, tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls))
     ids = encoded(lambda: encode_chat(state.engine.target, messages, specs), "messages")
-    jobs = submit(state, body, [ids], http, calls, "messages")
+    jobs = submit(state, body, [ids], http, calls, "messages", template_prefix(state.engine.target, messages, ids))
     jobs[0].calls = syntax
     return await respond(state, body, jobs, True, http)
 
@@ -124,7 +124,7 @@ async def responses(body: ResponsesRequest, http: HTTPRequest):
     except APIError as e:  # (chat's tools nest a function's fields under "function"; these tools are flat)
         raise APIError(e.status, flat_tool_names(e.message), e.type, flat_tool_names(e.param)) from e
     ids = encoded(lambda: encode_chat(state.engine.target, messages, specs), "input")
-    jobs = submit(state, body, [ids], http, calls, "input")
+    jobs = submit(state, body, [ids], http, calls, "input", template_prefix(state.engine.target, messages, ids))
     out = Reply(body, state.settings.model_name, syntax)
     if body.stream:
         return StreamingResponse(response_events(state, jobs[0], out), media_type="text/event-stream")
