@@ -15,6 +15,13 @@ Where the file also has lookup records, their measured decode-phase speed-up is 
 oracle-policy ceiling. Prints a table and one JSON line.
 
     python benchmarks/lookup_ceiling.py docs/results/lookup-ceiling-smollm2-135m.jsonl [--method lookup]
+
+With `--conversations FILE --model M` it first decodes the multi-turn conversations of FILE (benchmarks/
+conversations.json, as benchmarks/conversations.py replays them: each turn the whole conversation so far through the
+chat template, greedy, plain decoding, `--max-tokens` each) and gives the same ceilings for first turns and later
+turns apart, priced with M's measured verification costs on this machine.
+
+    python benchmarks/lookup_ceiling.py --conversations benchmarks/conversations.json --model qwen2.5-coder-1.5b
 """
 
 from __future__ import annotations
@@ -80,43 +87,77 @@ def replay_schedule(schedule, prompt: list[int], output: list[int], costs: list[
     return tokens, cost
 
 
+def conversation_turns(model, path: str, max_tokens: int) -> list[dict]:
+    """Each turn of each conversation in `path` decoded greedily (plain) after the conversation so far: records with
+    "category" ("first turns" / "later turns"), "prompt" and "tokens"."""
+    from assistgen import generate
+    from assistgen.chat.templates import encode_chat
+
+    records = []
+    for conversation in json.load(open(path, encoding="utf-8")):
+        messages = []
+        for turn, text in enumerate(conversation["turns"]):
+            messages.append({"role": "user", "content": text})
+            ids = encode_chat(model, messages)
+            out = generate(model, ids, max_new_tokens=max_tokens)
+            records.append({"category": "first turns" if turn == 0 else "later turns", "prompt": ids,
+                            "tokens": list(out.token_ids)})
+            messages.append({"role": "assistant", "content": out.text})
+    return records
+
+
 def decode_seconds(record: dict) -> float:
     return record["seconds"] - record["prefill_s"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", help="an `assistgen bench --out` file with greedy plain records")
+    parser.add_argument("results", nargs="?", help="an `assistgen bench --out` file with greedy plain records")
     parser.add_argument("--method", default="lookup", help="the measured method to set against the ceiling")
+    parser.add_argument("--conversations", help="decode these multi-turn conversations instead (conversations.json)")
+    parser.add_argument("--model", help="with --conversations: the model that decodes them")
+    parser.add_argument("--max-tokens", type=int, default=256, help="with --conversations: new tokens per turn")
     args = parser.parse_args()
-    records = [json.loads(line) for line in open(args.results, encoding="utf-8") if line.strip()]
-    records = [r for r in records if r["temperature"] == 0.0]
-    prompts = {p.question_id: p for p in read_prompts(default_suite())}
-    model = load_model(records[0]["model"])
+    if (args.results is None) == (args.conversations is None) or (args.conversations and not args.model):
+        parser.error("give a results file, or --conversations FILE with --model")
+    changed, measured_s = [], {}
+    if args.conversations:
+        model = load_model(args.model)
+        items = [(r["category"], r["prompt"], r["tokens"]) for r in
+                 conversation_turns(model, args.conversations, args.max_tokens)]
+    else:
+        records = [json.loads(line) for line in open(args.results, encoding="utf-8") if line.strip()]
+        records = [r for r in records if r["temperature"] == 0.0]
+        prompts = {p.question_id: p for p in read_prompts(default_suite())}
+        model = load_model(records[0]["model"])
+        by = {(r["question_id"], r["method"]): r for r in records}
+        items = []
+        for r in records:
+            if r["method"] != "plain":
+                continue
+            chat = r["key"].endswith("chat=True")
+            ids = encode_prompt(model, prompts[r["question_id"]].turns[0], chat=chat)
+            if len(ids) != r["prompt_tokens"]:
+                changed.append(r["question_id"])  # the suite's prompt changed since the file was written
+                continue
+            items.append((r["category"], ids, r["tokens"]))
+            measured = by.get((r["question_id"], args.method))
+            if measured is not None and "prefill_s" in measured and "prefill_s" in r:
+                measured_s[len(items) - 1] = (decode_seconds(r), decode_seconds(measured))
     costs = list(measured_costs(model).curve)
-    by = {(r["question_id"], r["method"]): r for r in records}
     rows: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    changed = []
-    for r in records:
-        if r["method"] != "plain":
-            continue
-        chat = r["key"].endswith("chat=True")
-        ids = encode_prompt(model, prompts[r["question_id"]].turns[0], chat=chat)
-        if len(ids) != r["prompt_tokens"]:
-            changed.append(r["question_id"])  # the suite's prompt changed since the file was written
-            continue
-        lengths = accepted_lengths(ids, r["tokens"])
-        replayed = replay_schedule(Adaptive(curve=costs), ids, r["tokens"], costs)
-        for category in (r["category"], "overall"):
-            row = rows[category]
-            row["tokens"] += len(r["tokens"])
+    for index, (category, ids, tokens) in enumerate(items):
+        lengths = accepted_lengths(ids, tokens)
+        replayed = replay_schedule(Adaptive(curve=costs), ids, tokens, costs)
+        for name in (category, "overall"):
+            row = rows[name]
+            row["tokens"] += len(tokens)
             row["steps"] += len(lengths)
             row["cost"] += sum(step_cost(costs, a) for a in lengths)
             row["replay_cost"] += replayed[1]
-            measured = by.get((r["question_id"], args.method))
-            if measured is not None and "prefill_s" in measured and "prefill_s" in r:
-                row["plain_decode_s"] += decode_seconds(r)
-                row["method_decode_s"] += decode_seconds(measured)
+            if index in measured_s:
+                row["plain_decode_s"] += measured_s[index][0]
+                row["method_decode_s"] += measured_s[index][1]
     out = {}
     if changed:
         print(f"skipped {len(changed)} prompts that changed since the file was written: {', '.join(changed)}")
@@ -132,7 +173,8 @@ def main() -> None:
                          "measured_decode": round(measured, 3) if measured else None}
         shown = f"{measured:9.2f}x{measured / oracle:7.0%}" if measured else f"{'-':>10}{'-':>7}"
         print(f"{category:<14}{free:11.2f}x{oracle:13.2f}x{replayed:9.2f}x{replayed / oracle:7.0%}{shown}")
-    print(json.dumps({"benchmark": "lookup-ceiling", "results": args.results, "method": args.method,
+    print(json.dumps({"benchmark": "lookup-ceiling", "results": args.results or args.conversations,
+                      "model": model.name, "method": args.method,
                       "cost_curve": [round(v, 3) for v in costs], "categories": out}))
 
 
