@@ -15,14 +15,13 @@ came from no one's content (`chat.templates.template_prefix`: a chat template's 
 keeps those tokens' rows once under `PUBLIC`, and `take` reuses a `PUBLIC` entry up to `public` tokens for any
 namespace, `NOBODY` (a request that keeps nothing of its own) included: every conversation shares its template's
 opening, as llama-server's slots and vLLM's prefix cache do, and nothing a request sent reaches another namespace.
-`take_for` and `give_back` are the one place a
-generation borrows and returns a cache (the engine's `stream` and the serving engine both use them): nothing is
-borrowed when prompt logprobs are asked for (they need every prompt row), and without a prefix cache the rows are
-given back at once. A cache's keys and values depend only on its tokens (on llama.cpp's row-exact build: prompts
-computed on the row-exact kernels, `LlamaSettings.exact_prompts`), so a generation continued from a kept prefix
-computes what it computes from an empty cache. Counters follow
-vLLM's prefix-cache metrics: `queries` (prompt tokens looked up), `hits` (tokens found), `evictions`. Not
-thread-safe: the serving engine's thread or a single caller owns it.
+`take_for` and `give_back` are the one place a generation borrows and returns a cache (the engine's `stream` and the
+serving engine both use them): nothing is borrowed when prompt logprobs are asked for (they need every prompt row),
+and without a prefix cache the rows are given back at once. A cache's keys and values depend only on its tokens (on
+llama.cpp's row-exact build: prompts computed on the row-exact kernels, `LlamaSettings.exact_prompts`), so a
+generation continued from a kept prefix computes what it computes from an empty cache. Counters follow vLLM's
+prefix-cache metrics: `queries` (prompt tokens looked up), `hits` (tokens found), `evictions`. Not thread-safe: the serving
+engine's thread or a single caller owns it.
 """
 
 from __future__ import annotations
