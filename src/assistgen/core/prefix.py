@@ -20,8 +20,8 @@ serving engine both use them): nothing is borrowed when prompt logprobs are aske
 and without a prefix cache the rows are given back at once. A cache's keys and values depend only on its tokens (on
 llama.cpp's row-exact build: prompts computed on the row-exact kernels, `LlamaSettings.exact_prompts`), so a
 generation continued from a kept prefix computes what it computes from an empty cache. Counters follow vLLM's
-prefix-cache metrics: `queries` (prompt tokens looked up), `hits` (tokens found), `evictions`. Not thread-safe: the serving
-engine's thread or a single caller owns it.
+prefix-cache metrics: `queries` (prompt tokens looked up), `hits` (tokens found), `evictions`. Not thread-safe:
+the serving engine's thread or a single caller owns it.
 """
 
 from __future__ import annotations
