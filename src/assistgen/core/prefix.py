@@ -73,15 +73,13 @@ class PrefixCache:
         if best is None:
             return None
         entry = self.entries[best]
+        cache = None
         if length < len(entry.cache.tokens) or entry.namespace == PUBLIC:  # it may serve others: a fork, cut
-            try:
-                cache = entry.cache.fork()
-            except ValueError:  # (no sequence left on the backend: hand the entry over instead)
-                cache = self._remove(best)
-            else:
-                self.entries.move_to_end(best)
-        else:
+            cache = fork_or_none(entry.cache)
+        if cache is None:  # (the whole entry, or no sequence left on the backend to fork into: hand it over)
             cache = self._remove(best)
+        else:
+            self.entries.move_to_end(best)
         cache.crop(length)
         self.hits += length
         return cache
