@@ -22,6 +22,9 @@ chat template, greedy, plain decoding, `--max-tokens` each) and gives the same c
 turns apart, priced with M's measured verification costs on this machine.
 
     python benchmarks/lookup_ceiling.py --conversations benchmarks/conversations.json --model qwen2.5-coder-1.5b
+
+`--decoded FILE` keeps the decoded turns (written on the first run, read on later ones: a replay of the policy
+without decoding again); `--dataset FILE` names the prompt set a results file was made on (default: the suite).
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
+from pathlib import Path
 
 from assistgen import load_model
 from assistgen.api import encode_prompt
 from assistgen.bench.dataset import default_suite, read_prompts
-from assistgen.drafters.lookup import lookup_continuation
+from assistgen.drafters.lookup import lookup_continuation, lookup_draft
 from assistgen.policy.adaptive import Adaptive
 from assistgen.policy.costs import measured_costs
 from assistgen.policy.gain import MAX_K, step_cost
@@ -72,8 +76,8 @@ def replay_schedule(schedule, prompt: list[int], output: list[int], costs: list[
     while i < len(output):
         room = len(output) - i - 1
         k = min(run.next_k(part), room)
-        draft_tokens, n_gram = lookup_continuation(prompt + output[:i], k, 3, 1)
-        draft = Draft(draft_tokens, source=f"lookup:{n_gram}")
+        draft = lookup_draft(prompt + output[:i], k, 3, 1)
+        draft_tokens = draft.tokens
         n = verified_lengths([run], [draft], [part.name], [room], run.costs)[0] if draft_tokens else 0
         accepted = 0
         while accepted < n and draft_tokens[accepted] == output[i + accepted]:
@@ -117,18 +121,25 @@ def main() -> None:
     parser.add_argument("--conversations", help="decode these multi-turn conversations instead (conversations.json)")
     parser.add_argument("--model", help="with --conversations: the model that decodes them")
     parser.add_argument("--max-tokens", type=int, default=256, help="with --conversations: new tokens per turn")
+    parser.add_argument("--decoded", help="with --conversations: keep the decoded turns here (read when it exists)")
+    parser.add_argument("--dataset", help="the prompt set the results file was made on (default: the shipped suite)")
     args = parser.parse_args()
     if (args.results is None) == (args.conversations is None) or (args.conversations and not args.model):
         parser.error("give a results file, or --conversations FILE with --model")
     changed, measured_s = [], {}
     if args.conversations:
         model = load_model(args.model)
-        items = [(r["category"], r["prompt"], r["tokens"]) for r in
-                 conversation_turns(model, args.conversations, args.max_tokens)]
+        if args.decoded and Path(args.decoded).is_file():
+            turns = json.loads(Path(args.decoded).read_text(encoding="utf-8"))
+        else:
+            turns = conversation_turns(model, args.conversations, args.max_tokens)
+            if args.decoded:
+                Path(args.decoded).write_text(json.dumps(turns), encoding="utf-8")
+        items = [(r["category"], r["prompt"], r["tokens"]) for r in turns]
     else:
         records = [json.loads(line) for line in open(args.results, encoding="utf-8") if line.strip()]
         records = [r for r in records if r["temperature"] == 0.0]
-        prompts = {p.question_id: p for p in read_prompts(default_suite())}
+        prompts = {p.question_id: p for p in read_prompts(args.dataset or default_suite())}
         model = load_model(records[0]["model"])
         by = {(r["question_id"], r["method"]): r for r in records}
         items = []

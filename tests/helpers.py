@@ -166,9 +166,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_serve_command(*flags: str, timeout: float = 120):
-    """`assistgen serve` started as a user starts it, on a free 127.0.0.1 port, once it answers /health.
-    Returns (process, port); its output is piped to `process.stdout`."""
+def start_serve_command(*flags: str, timeout: float = 120, env: dict | None = None):
+    """`assistgen serve` started as a user starts it (in `env`, default this process's environment), on a free
+    127.0.0.1 port, once it answers /health. Returns (process, port); its output is piped to `process.stdout`."""
     import subprocess
     import sys
     import time
@@ -177,7 +177,7 @@ def start_serve_command(*flags: str, timeout: float = 120):
 
     port = free_port()
     command = [sys.executable, "-m", "assistgen.cli.main", "serve", *flags, "--port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.monotonic() + timeout
     while True:
         if process.poll() is not None or time.monotonic() >= deadline:

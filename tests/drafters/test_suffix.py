@@ -9,7 +9,7 @@ import pytest
 from helpers import encode, tiny_llama
 
 from assistgen import ConfigError, generate
-from assistgen.drafters.lookup import lookup_continuation
+from assistgen.drafters.lookup import lookup_continuation, lookup_draft
 from assistgen.drafters.suffix import SEPARATOR, SuffixDrafter, SuffixHistory, history_for, suffix_continuation
 from assistgen.policy.rules import Constant
 
@@ -26,6 +26,20 @@ def test_the_longest_match_wins_over_the_most_recent_short_one():
     sequence = [5, 1, 2, 3, 4, 6, 6, 6, 0, 1, 2, 3, 7, 8, 6, 5, 1, 2, 3]
     assert draft(sequence, 5) == ([4, 6, 6, 6, 0], 4)
     assert lookup_continuation(sequence, 5, 3, 1) == ([7, 8, 6, 5, 1], 3)
+
+
+def test_a_lookup_draft_is_named_by_how_far_its_match_runs():
+    """Prompt lookup's source tells a fresh 3-token match from a copy that has run for many tokens (acceptance is
+    tracked per source: a long run is far likelier to go on); the draft itself is the most recent match's."""
+    fresh = [5, 1, 2, 3, 4, 6, 6, 6, 0, 1, 2, 3]  # "1 2 3" matched, preceded by 5 there and 0 here: a run of 3
+    assert lookup_draft(fresh, 2, 3, 1).source == "lookup:3"
+    assert lookup_draft(fresh, 2, 3, 1).tokens == lookup_continuation(fresh, 2, 3, 1)[0] == [4, 6]
+    text = list(range(10, 50))
+    copying = text + [7] + text[:20]  # the sequence repeats the first 20 tokens of the text: a run of 20
+    assert lookup_draft(copying, 4, 3, 1).source == "lookup:16"  # (runs past 3 in powers of two: 16-31)
+    assert lookup_draft(copying, 4, 3, 1).tokens == text[20:24]
+    assert lookup_draft(text + [7] + text, 4, 3, 1).source == "lookup:32"  # a run of 40: the longest told apart
+    assert lookup_draft([1, 2, 3], 4, 3, 1).source == "lookup:0" and not lookup_draft([1, 2, 3], 4, 3, 1).tokens
 
 
 def test_continuations_are_voted_by_frequency_then_recency():

@@ -32,7 +32,15 @@ from assistgen.backends.base import Capabilities
 from assistgen.policy.acceptance import Acceptance
 from assistgen.policy.adaptive import AdaptiveRun
 from assistgen.policy.costs import measured_costs
-from assistgen.policy.gain import LONG_K, MAX_K, best_lookahead, expected_gain, expected_tokens, finishing_pays
+from assistgen.policy.gain import (
+    LONG_K,
+    MAX_K,
+    best_draft_length,
+    best_lookahead,
+    expected_gain,
+    expected_tokens,
+    finishing_pays,
+)
 from assistgen.spec.costs import PassCosts
 from assistgen.spec.steps import StepOutcome
 
@@ -345,7 +353,7 @@ def test_no_draft_token_is_verified_past_max_new_tokens():
 def test_near_the_end_it_verifies_everything_that_can_finish_the_generation():
     costs = [1.0] * 6 + [1.3] * 11  # up to 5 draft tokens cost one step, 6 or more cost 1.3
     policy = Adaptive(curve=costs).prepare(None, [Cheap()])
-    for _ in range(10):  # lookup is always right
+    for _ in range(40):  # lookup is always right (seen often enough for the caution at each position to vanish)
         policy.update(step([5] * 16, "lookup", 16, 16, token=5))
     draft = Draft([5] * 6, source="lookup")
     assert verified(policy, draft, "lookup") == 5  # per step, 6 tokens for 1.0 beat 7 for 1.3
@@ -670,6 +678,24 @@ def test_a_first_position_seen_once_is_priced_with_caution():
     assert often.estimate()[0] > 0.97  # the margin shrinks as observations come in
 
 
+def test_a_rate_carried_to_a_position_never_observed_is_priced_as_a_guess():
+    """What was seen at the first position says little of the positions after it that were never seen: a long draft
+    is verified on what was observed at each position, not on the first position's record carried over."""
+    first_only, deep = Acceptance(0.5, 0.2, 17, caution=1.0), Acceptance(0.5, 0.2, 17, caution=1.0)
+    for i in range(40):  # the first token right 6 times in 7; when it is, the rest of the draft too
+        right = i % 7 != 3
+        first_only.record(verified=1, accepted=int(right))
+        deep.record(verified=16, accepted=16 if right else 0)
+    assert first_only.estimate()[0] == pytest.approx(deep.estimate()[0])
+    carried = first_only.estimate(cautious=False)[1]
+    assert carried == pytest.approx(first_only.rates[0])  # the first position's rate, carried over
+    assert first_only.estimate()[1] == pytest.approx(carried - (carried * (1 - carried) / 2) ** 0.5)  # no observations
+    assert min(deep.estimate()[1:]) > 0.95  # observed there: priced as observed
+    costs = [1.0 + 0.45 * k for k in range(17)]  # each row 0.45 of a step
+    assert best_draft_length(first_only.estimate(), costs, 0.0, 16)[0] <= 2
+    assert best_draft_length(deep.estimate(), costs, 0.0, 16)[0] == 16
+
+
 def test_an_expected_length_prices_one_off_costs_and_bad_values_are_refused():
     from assistgen.config import ConfigError, GenerationConfig
 
@@ -709,6 +735,20 @@ def test_a_later_positions_first_observation_starts_from_the_rate_not_the_cautio
 
     rates = Acceptance(0.5, 0.2, 4, caution=1.0)
     rates.observe(0, True)  # the first position: 0.5 -> 0.75 (averaged with the start, worth one observation)
-    assert rates.estimate()[1] == pytest.approx(0.5)  # priced with caution: 0.75 less one sd (0.25)
+    # carried over to the next position, never observed there: priced with caution for no observations of its own
+    assert rates.estimate()[1] == pytest.approx(0.75 - (0.75 * 0.25 / 2) ** 0.5)
     rates.observe(1, True)
     assert rates.rates[1] == pytest.approx(0.75 + 0.5 * 0.25)  # from 0.75, the rate, not from the price
+
+
+def test_under_a_curve_where_no_draft_can_pay_nothing_is_verified_and_where_drafts_pay_they_are(smollm2):
+    """The policy's promise, on a real model through the loop: where each verified row costs a whole plain step (no
+    draft can pay, however right), plain decoding's steps, none verifying a draft; where rows are free, the copies
+    of a repeating text are verified and kept. The text is the same."""
+    prompt = "the cat sat on the mat. " * 6 + "the cat"
+    steep = generate(smollm2, prompt, lookup=True, schedule=Adaptive(curve=[1.0 + k for k in range(17)]),
+                     max_new_tokens=24)
+    flat = generate(smollm2, prompt, lookup=True, schedule=Adaptive(curve=[1.0] * 17), max_new_tokens=24)
+    assert steep.token_ids == flat.token_ids
+    assert steep.stats.drafted_tokens == 0 and steep.stats.steps == 23  # (the prefill gives the first token)
+    assert flat.stats.accepted_tokens >= 12 and flat.stats.steps < 12

@@ -541,6 +541,29 @@ def test_fuzz_of_the_structured_output_and_logprobs_fields_never_5xx(small):
     check()
 
 
+def test_a_server_prices_drafts_on_this_cpus_measured_costs_from_its_first_request(tmp_path):
+    """Where this machine has no record of the model's pass costs, `assistgen serve` measures them before it listens
+    (a server that starts under traffic may never be idle to measure): its first request is priced on the measured
+    curve, not a provisional one."""
+    import os
+
+    from assistgen.paths import cache_root
+
+    fresh = tmp_path / "cache"  # this process's cache, but no cost records
+    fresh.mkdir()
+    for entry in cache_root().iterdir():
+        if entry.name != "costs":
+            (fresh / entry.name).symlink_to(entry)
+    env = {**os.environ, "ASSISTGEN_CACHE": str(fresh)}
+    process, port = start_serve_command("--model", NAME, "--lookup", env=env)
+    try:
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()["costs"] == "measured"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+    assert f"Measuring {NAME}" in process.stdout.read()
+
+
 def test_the_command_serves_and_exits_0_on_sigterm(tmp_path):
     """`assistgen serve` as a user starts it: it answers (within its --max-tokens-limit), and SIGTERM stops it cleanly
     (exit status 0)."""

@@ -1,7 +1,10 @@
 """Timing a model's forward passes through the seam: what route tuning and the cost model both measure.
 
 Contract: `step_times(model)` returns the seconds of one forward pass over n = 1..max_k+1 new tokens (or each n of
-`rows`) after a short random context, the best of a few rounds taken round-robin (`best_of_rounds`: a burst of noise
+`rows`) after a short random context, each timed right after an untimed one-row pass, as decoding meets it (a
+library that keeps the last pass's set-up, llama.cpp's compute graph, runs a pass of the same shape as the one before
+faster: t(1) timed after passes of other shapes is a decoding step's plus that set-up, and every ratio t(n) / t(1) too
+low), the best of a few rounds taken round-robin (`best_of_rounds`: a burst of noise
 then spoils one round of each row count, not every round of one); `random_context` makes the random ids (fed in
 pieces by `fed_in_pieces`). `step_time_pieces` and `rounds` are the same measurements as generators that yield after
 each timed pass (their return value the result: `finish` runs one to its end), for a caller that measures between
@@ -41,6 +44,8 @@ def step_time_pieces(model, max_k: int = MAX_K, context: int = 128, repeats: int
     yield from fed_in_pieces(cache, ids[:context])
 
     def run(n: int) -> float:
+        cache.feed(ids[context : context + 1], logits_to_keep=1)  # (untimed: the timed pass follows a one-row
+        cache.crop(context)  # pass, as a decoding step does)
         start = model.clock()
         cache.feed(ids[context : context + n], logits_to_keep=n)
         elapsed = model.clock() - start

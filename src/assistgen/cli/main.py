@@ -142,6 +142,11 @@ def add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--share-prefix-cache", action="store_true",
                    help="kept prefixes serve every request (default: only requests with the same API key, and the "
                         "chat template's opening every request)")
+    p.add_argument("--calibration", choices=("now", "later"), default="now",
+                   help="now (default): where this machine has no record of the model's pass costs, measure them "
+                        "before listening (once; cached), so that the first request's drafts are priced right; "
+                        "later: listen at once on a provisional curve from a few passes, the full measurement while "
+                        "the server is idle")
     p.add_argument("--fast-prompts", action="store_true",
                    help="llama.cpp backend: prompts on ggml's fastest kernels (a faster prefill on some CPUs); a turn "
                         "continued from a kept prefix may then differ from the output a fresh server gives")
@@ -290,7 +295,7 @@ def server_spec(args: argparse.Namespace):
     assistant = load_settings(args, assistant=True) if args.assistant else LoadSettings()
     return ServerSpec(args.model, serving_settings(args), args.assistant, assistant, fast_linear(args), args.lookup,
                       args.early_exit or False, args.schedule,
-                      EngineSettings(**engine_options(args)), settings, chat_template_text(args))
+                      EngineSettings(**engine_options(args)), settings, chat_template_text(args), args.calibration)
 
 
 def chat_template_text(args: argparse.Namespace) -> str | None:

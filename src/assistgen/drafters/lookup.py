@@ -1,8 +1,11 @@
 """Prompt lookup (Saxena 2023): find the last n-gram earlier in the context, propose what followed.
 
 Contract: `PromptLookupDrafter` runs no model and proposes token ids without probabilities; n goes from
-`max_ngram` down to `min_ngram` and the most recent earlier match wins (`lookup_continuation`). Each
-draft names its source by the n that matched ("lookup:3"), so acceptance is tracked per match length.
+`max_ngram` down to `min_ngram` and the most recent earlier match wins (`lookup_continuation`). Each draft names
+its source by how far the match runs (`lookup_draft`): the n that matched, and the tokens before both the match
+and the sequence's tail that agree too, up to `RUN_CAP`; past 3 tokens in powers of two ("lookup:3", "lookup:4"
+for 4-7, "lookup:8" for 8-15, ...), so that acceptance is tracked apart for a fresh 3-token match and for a copy
+that has run for 20 tokens (a long run is far likelier to go on).
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import numpy as np
 
 from assistgen.spec.drafts import Draft, Drafter
 from assistgen.spec.sampling import Sampler
+
+RUN_CAP = 32  # the longest match run a draft's source tells apart (longer ones are named by this bucket)
 
 
 class PromptLookupDrafter(Drafter):
@@ -25,14 +30,27 @@ class PromptLookupDrafter(Drafter):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def propose(self, ids: list[int], k: int, sampler: Sampler, min_confidence: float = 0.0) -> Draft:
-        tokens, n = lookup_continuation(ids, k, self.max_ngram, self.min_ngram)
-        return Draft(tokens=tokens, source=f"lookup:{n}")
+        return lookup_draft(ids, k, self.max_ngram, self.min_ngram)
+
+
+def lookup_draft(ids: list[int], k: int, max_ngram: int, min_ngram: int) -> Draft:
+    """The lookup draft of up to k tokens, its source named by its match's run (`run_bucket`)."""
+    tokens, n, start = lookup_match(ids, k, max_ngram, min_ngram)
+    if not tokens:
+        return Draft(tokens=tokens, source="lookup:0")
+    return Draft(tokens=tokens, source=f"lookup:{run_bucket(match_run(ids, start, n))}")
 
 
 def lookup_continuation(ids: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int]:
     """Up to k tokens that followed the most recent earlier occurrence of ids' last n-gram, and that n (0: none)."""
+    tokens, n, _ = lookup_match(ids, k, max_ngram, min_ngram)
+    return tokens, n
+
+
+def lookup_match(ids: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int, int]:
+    """`lookup_continuation`'s tokens and n, and where the continuation starts in ids (0 with no match)."""
     if k <= 0:
-        return [], 0
+        return [], 0, 0
     seq = np.asarray(ids, dtype=np.int64)
     for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
         pattern = seq[-n:]
@@ -40,5 +58,19 @@ def lookup_continuation(ids: list[int], k: int, max_ngram: int, min_ngram: int) 
         hits = np.flatnonzero((windows == pattern).all(axis=1))
         if len(hits):
             start = int(hits[-1]) + n
-            return seq[start : start + k].tolist(), n
-    return [], 0
+            return seq[start : start + k].tolist(), n, start
+    return [], 0, 0
+
+
+def match_run(ids: list[int], start: int, n: int, cap: int = RUN_CAP) -> int:
+    """How many tokens the match that ends just before `start` runs: its n tokens, and those before them that
+    equal the ones before the sequence's tail (at most `cap`)."""
+    run = n
+    while run < cap and start - run - 1 >= 0 and ids[start - run - 1] == ids[len(ids) - run - 1]:
+        run += 1
+    return run
+
+
+def run_bucket(run: int) -> int:
+    """A match run's bucket: itself up to 3, else the power of two at or below it (4-7: 4, 8-15: 8, ...)."""
+    return run if run <= 3 else 1 << (run.bit_length() - 1)

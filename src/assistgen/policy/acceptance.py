@@ -4,9 +4,9 @@ Contract: `Acceptance(prior, weight, size)` holds one rate per draft position (0
 `start` (default: `prior`) worth `prior_weight` observations, then an exponential moving average at `weight`;
 `record(verified, accepted)` learns one step (positions 0..accepted-1 kept, position `accepted` rejected when it
 was verified; `pooled`: one rate for all positions, moved once per step); `estimate()` gives the rates with
-never-observed positions taken from the one before (at least `unseen_floor`; the first at most its rate less
-`caution` standard deviations): the rates `gain.py` optimizes over. A position's first observation updates that
-estimate (not the prior), so an accepted token never lowers the rate estimated for its position.
+never-observed positions taken from the one before (at least `unseen_floor`), each less `caution` standard deviations
+of its own observations: the rates `gain.py` optimizes over. A position's first observation updates that estimate
+(not the prior), so an accepted token never lowers the rate estimated for its position.
 """
 
 from __future__ import annotations
@@ -68,13 +68,21 @@ class Acceptance:
             self.observe(accepted, False)
 
     def estimate(self, cautious: bool = True) -> list[float]:
-        """Rates with never-observed positions taken from the position before them (at least `unseen_floor`), the
-        first less `caution` standard deviations (`cautious`; else as estimated)."""
+        """Rates with never-observed positions taken from the position before them (at least `unseen_floor`), each
+        less `caution` standard deviations of a binomial rate with its own position's observation count (`cautious`;
+        else as estimated)."""
         out = [self.rates[0]] * self.size if self.pooled else list(self.rates)
-        if cautious and self.caution and out:  # (the count: its observations, the start's weight and one more)
-            rate, count = out[0], self.seen[0] + self.prior_weight + 1.0
-            out[0] = max(0.0, rate - self.caution * math.sqrt(rate * (1.0 - rate) / count))
         for i in range(1, len(out)):
             if self.seen[i] == 0:
                 out[i] = max(out[i - 1], self.unseen_floor)
+        if cautious and self.caution:
+            seen = [self.seen[0]] * self.size if self.pooled else self.seen
+            out = [self.cautious(rate, n) for rate, n in zip(out, seen, strict=True)]
         return out
+
+    def cautious(self, rate: float, seen: int) -> float:
+        """`rate` less `caution` standard deviations of a binomial rate observed `seen` times (the count: those
+        observations, the start's weight and one more): a rate carried over to a position never observed is a guess,
+        priced as one."""
+        count = seen + self.prior_weight + 1.0
+        return max(0.0, rate - self.caution * math.sqrt(rate * (1.0 - rate) / count))

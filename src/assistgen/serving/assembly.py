@@ -6,7 +6,8 @@ It is plain frozen data (picklable: Ray sends it to each replica). `build_server
 (`api.loading.load_with_assistant`: the assistant first, within the target's memory budget), applies the chat
 template, makes the drafter factory once to check its options (early exit's calibration runs here), and builds the
 `BatchEngine`; the `Server` it returns gives the app (`server.create_app`) or runs it (`server.serve`). Costs are
-measured as `spec.calibration` says ("later", a server's default: a provisional curve now, the full one while idle).
+measured as `spec.calibration` says ("now", the default: before it serves, where this machine has no record;
+"later": a provisional curve now, the full one while idle).
 Bad options raise `ConfigError` before anything serves.
 """
 
@@ -41,7 +42,9 @@ class ServerSpec:
     engine: EngineSettings = field(default_factory=EngineSettings)
     settings: ServerSettings | None = None  # the app's; None: ServerSettings(model_name=model)
     chat_template: str | None = None  # the template's text, instead of the model's own
-    calibration: str = "later"  # `api.prepare`'s: the full cost measurement while the server is idle
+    # `api.prepare`'s: "now", where nothing is cached, the full cost measurement before the server listens (a server
+    # that starts under traffic may find no idle time to measure in); "later", a provisional curve, the rest while idle
+    calibration: str = "now"
 
     @property
     def app_settings(self) -> ServerSettings:
