@@ -85,3 +85,22 @@ def test_drafting_from_suffixes_gives_plain_decodings_tokens_and_drafts():
         assert ours.token_ids == plain
         assert ours.stats.mode.startswith("suffix")
     assert generate(model, ids, max_new_tokens=30, suffix=True, schedule=Constant(5)).stats.accepted_tokens > 0
+
+
+def test_prompt_lookup_takes_the_longest_n_gram_then_the_most_recent_match():
+    """Against the definition, on random sequences of a small vocabulary (many matches of every length): n from
+    max_ngram down, the most recent earlier occurrence of the last n tokens, and what followed it."""
+    rng = np.random.default_rng(0)
+
+    def reference(seq, k, max_ngram, min_ngram):
+        for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
+            starts = [s for s in range(len(seq) - n) if seq[s : s + n] == seq[len(seq) - n :]]
+            if starts:
+                return seq[starts[-1] + n : starts[-1] + n + k], n
+        return [], 0
+
+    for _ in range(300):
+        seq = rng.integers(0, int(rng.integers(2, 9)), int(rng.integers(1, 40))).tolist()
+        k, low = int(rng.integers(0, 6)), int(rng.integers(1, 3))
+        high = low + int(rng.integers(0, 3))
+        assert lookup_continuation(seq, k, high, low) == (reference(seq, k, high, low) if k else ([], 0))

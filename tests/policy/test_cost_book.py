@@ -167,3 +167,40 @@ def test_a_tiny_models_steps_measure_nothing_either():
     with forbidding_measurement(target) as calls:
         run_to_the_end(states)
     assert calls == []
+
+
+class ShapeKeeping:
+    """A model whose pass takes 10 ms a row, plus 3 ms of set-up when its row count differs from the pass before
+    (as llama.cpp keeps its last compute graph), on a clock that only its passes move."""
+
+    vocab_size, context_length = 1000, 4096
+    tokenizer = list(range(1000))
+
+    def __init__(self):
+        self.now, self.last_rows = 0.0, None
+
+    def clock(self) -> float:
+        return self.now
+
+    def new_cache(self):
+        model = self
+
+        class Cache:
+            def feed(self, ids, logits_to_keep=1):
+                model.now += 0.010 * len(ids) + (0.003 if len(ids) != model.last_rows else 0.0)
+                model.last_rows = len(ids)
+
+            def crop(self, length):
+                pass
+
+        return Cache()
+
+
+def test_a_pass_is_timed_as_decoding_meets_it_after_a_one_row_step():
+    """t(1) is a decoding step's (one row after one row: no set-up), and t(n) a verification's (n rows after a
+    one-row step: the set-up paid), whatever order the row counts are timed in. (Timed after passes of other shapes,
+    t(1) would carry the set-up and every ratio t(n) / t(1) come out too low.)"""
+    from assistgen.backends.measure import step_times
+
+    times = step_times(ShapeKeeping(), rows=[1, 2, 17], repeats=2)
+    assert times == pytest.approx([0.010, 0.023, 0.173])

@@ -1,19 +1,18 @@
 """Timing a model's forward passes through the seam: what route tuning and the cost model both measure.
 
 Contract: `step_times(model)` returns the seconds of one forward pass over n = 1..max_k+1 new tokens (or each n of
-`rows`) after a short random context, each timed right after an untimed one-row pass, as decoding meets it (a
-library that keeps the last pass's set-up, llama.cpp's compute graph, runs a pass of the same shape as the one before
-faster: t(1) timed after passes of other shapes is a decoding step's plus that set-up, and every ratio t(n) / t(1) too
-low), the best of a few rounds taken round-robin (`best_of_rounds`: a burst of noise
-then spoils one round of each row count, not every round of one); `random_context` makes the random ids (fed in
-pieces by `fed_in_pieces`). `step_time_pieces` and `rounds` are the same measurements as generators that yield after
-each timed pass (their return value the result: `finish` runs one to its end), for a caller that measures between
-other work and may drop a measurement half done (closing it frees its caches). `watched(measure)` runs a measurement
-and adds to its record the share of the CPUs other processes took meanwhile (`others_share`); `is_quiet(record)`
-says whether that share was small enough for the record to be kept on disk as this machine's (a measurement made
-while other work shared the cores prices every later run wrongly: it is used for the run that made it, and made
-again next time). It uses only `backends.base` verbs
-(`new_cache`, `feed`, `crop`, `clock`), so it times any backend; it knows nothing about policies or routes.
+`rows`) after a short random context, each timed right after an untimed one-row pass, as decoding meets it (a library
+may reuse the last pass's set-up for a pass of the same shape, as llama.cpp reuses its compute graph: a decoding step
+follows a one-row step, a verification pays the set-up), the best of a few rounds taken round-robin (`best_of_rounds`:
+a burst of noise then spoils one round of each row count, not every round of one); `random_context` makes the random
+ids (fed in pieces by `fed_in_pieces`). `step_time_pieces` and `rounds` are the same measurements as generators that
+yield after each timed pass (their return value the result: `finish` runs one to its end), for a caller that measures
+between other work and may drop a measurement half done (closing it frees its caches). `watched(measure)` runs a
+measurement and adds to its record the share of the CPUs other processes took meanwhile (`others_share`);
+`is_quiet(record)` says whether that share was small enough for the record to be kept on disk as this machine's (a
+measurement made while other work shared the cores prices every later run wrongly: it is used for the run that made
+it, and made again next time). It uses only `backends.base` verbs (`new_cache`, `feed`, `crop`, `clock`), so it times
+any backend; it knows nothing about policies or routes.
 """
 
 from __future__ import annotations

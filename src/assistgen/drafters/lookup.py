@@ -48,16 +48,20 @@ def lookup_continuation(ids: list[int], k: int, max_ngram: int, min_ngram: int) 
 
 
 def lookup_match(ids: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int, int]:
-    """`lookup_continuation`'s tokens and n, and where the continuation starts in ids (0 with no match)."""
-    if k <= 0:
+    """`lookup_continuation`'s tokens and n, and where the continuation starts in ids (0 with no match). One pass
+    over the sequence finds the earlier occurrences of its last token; the longer n-grams are checked on those
+    only."""
+    if k <= 0 or len(ids) < 2:
         return [], 0, 0
     seq = np.asarray(ids, dtype=np.int64)
-    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
-        pattern = seq[-n:]
-        windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # [len-n, n], starts before the tail
-        hits = np.flatnonzero((windows == pattern).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
+    last = len(seq) - 1
+    ends = np.flatnonzero(seq[:-1] == seq[last])  # [hits]: earlier positions holding the last token
+    for n in range(min(max_ngram, last), min_ngram - 1, -1):
+        matched = ends[ends >= n - 1]
+        for back in range(1, n):  # the n-gram ending there equals the tail's
+            matched = matched[seq[matched - back] == seq[last - back]]
+        if len(matched):
+            start = int(matched[-1]) + 1
             return seq[start : start + k].tolist(), n, start
     return [], 0, 0
 
