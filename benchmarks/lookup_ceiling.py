@@ -126,6 +126,10 @@ def main() -> None:
     args = parser.parse_args()
     if (args.results is None) == (args.conversations is None) or (args.conversations and not args.model):
         parser.error("give a results file, or --conversations FILE with --model")
+    if args.decoded and not args.conversations:
+        parser.error("--decoded keeps decoded conversations: give it with --conversations")
+    if args.dataset and args.conversations:
+        parser.error("--dataset names a results file's prompt set: give it with a results file, not --conversations")
     changed, measured_s = [], {}
     if args.conversations:
         model = load_model(args.model)

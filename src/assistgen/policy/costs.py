@@ -28,12 +28,12 @@ by the adaptive schedule, not here.
 
 from __future__ import annotations
 
-import sys
 import threading
 import weakref
 from collections.abc import Generator
 from pathlib import Path
 
+from assistgen.backends.embedded import say
 from assistgen.backends.machine import CpuTicks, cpu_ticks, others_share
 from assistgen.backends.measure import is_quiet
 from assistgen.paths import measurement_file, recalled, remember, remembered
@@ -102,14 +102,14 @@ def calibrate(model, refresh: bool = False, later: bool = False) -> PassCosts:
             _PENDING[model] = Calibration(model, path)
             return costs
         return _BOOK.put(model, PassCosts.of(record))
-    return _BOOK.put(model, PassCosts.of(remembered(path, lambda: announced(model) or measure_costs(model), REQUIRED,
-                                                    refresh, keep=is_quiet)))
+    return _BOOK.put(model, PassCosts.of(remembered(path, lambda: measure_announced(model), REQUIRED, refresh,
+                                                    keep=is_quiet)))
 
 
-def announced(model) -> None:
-    """Say on stderr that the model's passes are being timed (a start that takes a while, once per machine)."""
-    where = "" if model.cache_key is None else " (once on this machine: cached)"
-    print(f"[assistgen] Measuring {model.name}'s pass costs on this CPU{where}.", file=sys.stderr, flush=True)
+def measure_announced(model) -> dict:
+    """`measure_costs`, said on stderr first (a start that takes a while, once per machine)."""
+    say(f"Measuring {model.name}'s pass costs on this CPU{'' if model.cache_key is None else ' (once: cached)'}.")
+    return measure_costs(model)
 
 
 def costs_path(model) -> Path | None:
