@@ -67,7 +67,8 @@ class Round:
                 "decode_tok_s": self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0,
                 "decode_first_tok_s": rate(self.first_decode), "decode_later_tok_s": rate(self.later_decode),
                 "ttft_first_p50": percentile(self.ttft_first, 50), "ttft_later_p50": percentile(self.ttft_later, 50),
-                "ttft_later_p95": percentile(self.ttft_later, 95), "prompt_tokens": self.prompt_tokens,
+                "ttft_later_p95": percentile(self.ttft_later, 95),
+                "ttft_later_max": max(self.ttft_later, default=0.0), "prompt_tokens": self.prompt_tokens,
                 "cached_tokens": self.cached_tokens, "peak_rss_mb": self.rss_mb}
 
 
@@ -119,12 +120,13 @@ async def one_turn(client: openai.AsyncOpenAI, args, messages: list[dict], later
 
 
 async def run_round(url: str, args, config: str, clients: int, conversations: list[dict]) -> Round:
-    """Each of `clients` clients replays its share of the conversations (conversation i goes to client i % clients),
-    one turn after the other, each conversation under its own API key."""
+    """Each of `clients` clients replays its share of the conversations (conversation i goes to client i % clients;
+    with `args.same` every client replays all of them), one turn after the other, each conversation under its own
+    API key."""
     result = Round(config, clients)
 
     async def one_client(i: int):
-        for conversation in conversations[i::clients]:
+        for conversation in (conversations if args.same else conversations[i::clients]):
             client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=f"conv-{conversation['name']}",
                                         timeout=args.request_timeout, max_retries=2)  # (a keep-alive
             # connection the server closed is retried: llama-server's cpp-httplib closes idle ones)
@@ -147,6 +149,7 @@ TABLE = [("config", "config", "<16"), ("clients", "clients", ">8"), ("wall s", "
          ("tok/s", "tok_s", ">7.1f"), ("decode", "decode_tok_s", ">8.1f"), ("dec 1st", "decode_first_tok_s", ">8.1f"),
          ("dec later", "decode_later_tok_s", ">10.1f"), ("ttft 1st", "ttft_first_p50", ">9.2f"),
          ("ttft later", "ttft_later_p50", ">11.2f"), ("p95", "ttft_later_p95", ">7.2f"),
+         ("max", "ttft_later_max", ">7.2f"),
          ("prompt", "prompt_tokens", ">8"), ("cached", "cached_tokens", ">8"), ("RSS MiB", "peak_rss_mb", ">9.0f")]
 
 
@@ -164,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--conversations", type=Path, default=HERE / "conversations.json")
     parser.add_argument("--first", type=int, help="only the first N conversations")
+    parser.add_argument("--same", action="store_true",
+                        help="every client replays every conversation (the same turns under the same keys: N copies "
+                             "of one client), not its share of them")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--start-timeout", type=float, default=300.0)
     parser.add_argument("--request-timeout", type=float, default=900.0)

@@ -232,6 +232,31 @@ def test_a_conversation_continued_from_kept_prefixes_equals_fresh_requests(backe
 
 
 @pytest.mark.integration
+def test_copies_of_one_conversation_sent_at_once_all_reuse_its_kept_prefix(smol_llama):
+    """Several clients replaying one conversation under one key (N copies of a client, a load generator): every copy
+    of a later turn continues from the kept turn, the first to start does not take it from the others (llama.cpp's
+    forks share rows: `Capabilities.shared_forks`), and each gives what a fresh request gives."""
+    model = smol_llama
+    assert model.capabilities.shared_forks
+    engine = BatchEngine(model, partial(make_drafter, model, lookup=True), default_schedule(),
+                         EngineSettings(prefix_cache=None)).start()
+    config = GenerationConfig(max_new_tokens=24)
+    try:
+        turns = ["Write a Python function that checks whether a number is prime."]
+        first = [t for chunk in engine.submit(chat(model, *turns), config, namespace="me") for t in chunk.tokens]
+        turns += [model.tokenizer.decode(first, skip_special_tokens=True), "Now add a docstring to it."]
+        ids = chat(model, *turns)
+        copies = [engine.submit(ids, config, namespace="me") for _ in range(3)]
+        chunks = [list(r) for r in copies]
+        alone = generate(model, ids, max_new_tokens=24).token_ids
+    finally:
+        engine.shutdown(timeout=60)
+    kept = len(chat(model, turns[0])) + len(first) - 2  # (the template may end the reply with its own tokens)
+    assert all(c[-1].stats.cached_tokens >= kept for c in chunks), [c[-1].stats.cached_tokens for c in chunks]
+    assert all([t for chunk in c for t in chunk.tokens] == alone for c in chunks)
+
+
+@pytest.mark.integration
 def test_a_session_and_a_conversation_keep_their_cache_between_calls(smol_llama, smol_torch):
     first = "Write a haiku about the sea."
     conversation = Conversation(smol_llama, system="You are brief.", max_new_tokens=24)

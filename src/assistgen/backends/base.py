@@ -34,7 +34,8 @@ Capabilities a backend may lack are declared in `capabilities`, never discovered
 `first_layers` (it can run its first N decoder layers as a model of its own, sharing the weights:
 `truncated(n)`, `exit_agreement(ids, positions)` and `layer_costs()`, which early exit needs) and `exact`
 (a row's logits are those it gets alone, so assisted greedy output is plain decoding's; `inexact_reason` says
-why not) and `offloaded` (its weights are read from their file beyond a memory budget in every pass). `Computes` is
+why not) and `offloaded` (its weights are read from their file beyond a memory budget in every pass) and
+`shared_forks` (a fork shares its parent's keys and values instead of copying them). `Computes` is
 the part every model has, checked at runtime (`isinstance`) where a model must be told from its name. Layers
 above this module see a model only through this interface; the PyTorch code lives below it
 (`backends/torch/`).
@@ -60,6 +61,8 @@ class Capabilities:
     inexact_reason: str = ""  # with exact False: why, and the fix
     offloaded: bool = False  # its weights stay in their file beyond a memory budget and are read in again per pass:
     # a pass's time is set by that reading, not by the rows it computes (the policy prices it so)
+    shared_forks: bool = False  # a fork shares its parent's keys and values (llama.cpp's sequence copy: cells
+    # tagged with one more sequence), so forking costs no memory or copy; False: a fork copies them (torch)
     verify_rows: int = 1 + MAX_K  # the most rows of one sequence a verification pass may feed, each row still given
     # the one-row pass's bits (the kernels checked that far): copies are verified up to verify_rows - 1 tokens
 

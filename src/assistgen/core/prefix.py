@@ -8,8 +8,10 @@ operator shares one namespace). `capacity` bounds the bytes the kept caches hold
 `max_entries` their number; past either, the least recently used entries are dropped (their memory given back).
 `take(ids, namespace, public)` returns a cache holding the longest kept prefix of `ids` (at most len(ids) - 1
 tokens: the loop feeds at least the last one) and removes its entry, or forks it when the request shares only part of
-it (so that the entry still serves the others that share it); None when nothing kept shares a token with `ids` or
-the entry's namespace differs. `give(cache, namespace, public)` keeps a finished generation's cache (its `tokens` are
+it or the backend's forks share their parent's rows (`Capabilities.shared_forks`: llama.cpp), so that the entry
+still serves the others that share it (requests of one conversation sent again while the first still runs); None
+when nothing kept shares a token with `ids` or the entry's namespace differs. The generation's cache, given back,
+supersedes the entry it extends. `give(cache, namespace, public)` keeps a finished generation's cache (its `tokens` are
 what its keys and values were computed from, whatever was emitted). `public`: how many of the prompt's first tokens
 came from no one's content (`chat.templates.template_prefix`: a chat template's default system prompt); `give` also
 keeps those tokens' rows once under `PUBLIC`, and `take` reuses a `PUBLIC` entry up to `public` tokens for any
@@ -74,8 +76,9 @@ class PrefixCache:
             return None
         entry = self.entries[best]
         cache = None
-        if length < len(entry.cache.tokens) or entry.namespace == PUBLIC:  # it may serve others: a fork, cut
-            cache = fork_or_none(entry.cache)
+        if length < len(entry.cache.tokens) or entry.namespace == PUBLIC or self.model.capabilities.shared_forks:
+            cache = fork_or_none(entry.cache)  # it may serve others (the same conversation sent again before this
+            # one ends: N copies of one client): a fork, cut, where a fork copies nothing or the entry is not all used
         if cache is None:  # (the whole entry, or no sequence left on the backend to fork into: hand it over)
             cache = self._remove(best)
         else:

@@ -78,7 +78,7 @@ class LlamaModel:
         rows = exact_rows(probe)  # the rows of one pass this CPU's kernels were seen to keep exact (None: unchecked)
         reason = inexact_reason(self._switch, settings, rows, probe)  # "" exactly when row_exact
         self.capabilities = Capabilities(exact=not reason, inexact_reason=reason,
-                                         offloaded=settings.max_memory is not None,
+                                         offloaded=settings.max_memory is not None, shared_forks=True,
                                          verify_rows=min(rows or 1 + LONG_K, 1 + LONG_K))
         if reason:
             warn_inexact(reason)
