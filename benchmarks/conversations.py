@@ -1,18 +1,21 @@
 """Multi-turn conversations against OpenAI-compatible servers: `assistgen serve` and `llama-server`, the same client.
 
-Contract: for each configuration (assistgen: plain, lookup, ngram, lookup-ngram, suffix (with lookup and ngram), each
-optionally with `--assistgen-flags`; llama.cpp's `llama-server` (`--llama-server BIN`): llama, llama-ngram
-(`--spec-type ngram-simple`), llama-ngram-mod) it starts a fresh server on a free 127.0.0.1 port for each round and
-replays the conversations of
+Contract: for each configuration (assistgen: plain, lookup, ngram, lookup-ngram, suffix (with lookup and ngram),
+assistant (`--assistant` `--draft`, with lookup), each optionally with `--assistgen-flags`; llama.cpp's `llama-server`
+(`--llama-server BIN`): llama, llama-ngram (`--spec-type ngram-simple`), llama-ngram-mod, llama-draft (`-md` `--draft`,
+`--spec-type draft-simple`, one round for each `--draft-n-max`)) it starts a fresh server on a free 127.0.0.1 port
+for each round and replays the conversations of
 `--conversations` (benchmarks/conversations.json: code edits, config edits, text rewrites, follow-up questions; 3
 turns each) as a chat client does: each turn sends the whole conversation so far, the server's own earlier replies
 included, as one streamed greedy chat completion through the official `openai` client (AsyncOpenAI), each
 conversation under its own API key. It runs them one at a time (`--clients 1`) and then `--clients N` at once (each
-client its own conversations, in order), and measures per round the wall time, aggregate completion tokens per
-second, time to first token (first turns and later turns apart), decode tok/s (tokens after the first over the
-time from the first to the last chunk), the prompt tokens the server reported cached
+client its own conversations, in order; with `--same`, every client all of them: N copies of one client), and
+measures per round the wall time, aggregate completion tokens per second, time to first token (first turns and
+later turns apart; for later turns p50, p95 and the worst), decode tok/s (tokens after the first over the time from
+the first to the last chunk), the prompt tokens the server reported cached
 (`usage.prompt_tokens_details.cached_tokens`, when it reports them), and the server's peak RSS (/proc VmHWM). Prints
-a table, the ratio of each configuration's wall time to the first one's, then one JSON line.
+the machine (processor, widest vector extension, cores), a table, the ratio of each configuration's wall time to the
+first one's, then one JSON line.
 
     python benchmarks/conversations.py --model qwen2.5-coder-1.5b --llama-server build/stock/cmake/bin/llama-server \
         --configs llama-ngram lookup-ngram --clients 1 4 --max-tokens 256
@@ -32,12 +35,15 @@ from pathlib import Path
 import openai
 from serve_load import free_port, gguf_of, peak_rss_mb, percentile, start_server, stop_server
 
+from assistgen.backends.machine import cpu_flags, cpu_name
 from assistgen.bench.report import columns_table
 
 ASSISTGEN = {"plain": [], "lookup": ["--lookup"], "ngram": ["--ngram-cache"],
-             "lookup-ngram": ["--lookup", "--ngram-cache"], "suffix": ["--suffix", "--lookup", "--ngram-cache"]}
+             "lookup-ngram": ["--lookup", "--ngram-cache"], "suffix": ["--suffix", "--lookup", "--ngram-cache"],
+             "assistant": ["--assistant", "{draft}", "--lookup"]}
 LLAMA_SERVER = {"llama": [], "llama-ngram": ["--spec-type", "ngram-simple"],
-                "llama-ngram-mod": ["--spec-type", "ngram-mod"]}
+                "llama-ngram-mod": ["--spec-type", "ngram-mod"],
+                "llama-draft": ["-md", "{draft_gguf}", "--spec-type", "draft-simple", "--spec-draft-n-max", "{n_max}"]}
 HERE = Path(__file__).resolve().parent
 
 
@@ -76,15 +82,31 @@ def rate(pair: list) -> float:
     return pair[0] / pair[1] if pair[1] else 0.0
 
 
-def server_command(args, config: str, port: int) -> list[str]:
+def server_command(args, config: str, port: int, n_max: int = 3) -> list[str]:
+    fill = {"draft": args.draft, "draft_gguf": str(gguf_of(args.draft)), "n_max": str(n_max)}
     if config in LLAMA_SERVER:
         if not args.llama_server:
             raise SystemExit(f"{config} needs --llama-server BIN")
         return [args.llama_server, "-m", str(gguf_of(args.model)), "--port", str(port), "--host", "127.0.0.1",
                 "-t", str(args.threads), "-c", str(args.context * args.parallel), "-np", str(args.parallel),
-                "--jinja", "--temp", "0", *LLAMA_SERVER[config]]
+                "--jinja", "--temp", "0", *(f.format(**fill) for f in LLAMA_SERVER[config])]
     return [sys.executable, "-m", "assistgen.cli.main", "serve", "--model", args.model, "--port", str(port),
-            "--backend", args.backend, *ASSISTGEN[config], *args.assistgen_flags]
+            "--backend", args.backend, *(f.format(**fill) for f in ASSISTGEN[config]), *args.assistgen_flags]
+
+
+def rounds_of(args) -> list[tuple[str, str, int]]:
+    """(label, configuration, llama-draft's --spec-draft-n-max) for each server to start: llama-draft once for each
+    of `--draft-n-max`."""
+    return [(f"{config}-n{n}" if config == "llama-draft" else config, config, n) for config in args.configs
+            for n in (args.draft_n_max if config == "llama-draft" else [3])]
+
+
+def machine() -> str:
+    """The processor, its widest vector extension and the cores this process may use, for every table's heading."""
+    flags = cpu_flags()
+    widest = next((name for flag, name in (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+                   if flag in flags), "no AVX2")
+    return f"{cpu_name()} ({widest}), {len(os.sched_getaffinity(0))} cores"
 
 
 async def one_turn(client: openai.AsyncOpenAI, args, messages: list[dict], later: bool, result: Round) -> str:
@@ -161,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--assistgen-flags", nargs=argparse.REMAINDER, default=[],
                         help="more flags for every assistgen server (last on the line)")
     parser.add_argument("--llama-server", help="llama.cpp's llama-server binary (the llama* configs)")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b",
+                        help="the assistant: assistgen's --assistant, llama-server's -md (embedded name or GGUF)")
+    parser.add_argument("--draft-n-max", nargs="+", type=int, default=[3],
+                        help="llama-draft: one round for each --spec-draft-n-max")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama-server -t")
     parser.add_argument("--parallel", type=int, default=4, help="llama-server -np (slots)")
     parser.add_argument("--context", type=int, default=4096, help="llama-server context per slot")
@@ -178,18 +204,19 @@ def main(argv: list[str] | None = None) -> int:
 
     conversations = json.loads(args.conversations.read_text())[: args.first]
     rows, replies = [], {}
-    for config in args.configs:
+    for label, config, n_max in rounds_of(args):
         for clients in args.clients:  # (a fresh server per round: nothing cached from the round before)
             port = free_port()
-            process = start_server(server_command(args, config, port), port, args.start_timeout)
+            process = start_server(server_command(args, config, port, n_max), port, args.start_timeout)
             try:
-                result = asyncio.run(run_round(f"http://127.0.0.1:{port}", args, config, clients, conversations))
+                result = asyncio.run(run_round(f"http://127.0.0.1:{port}", args, label, clients, conversations))
                 result.rss_mb = peak_rss_mb(process)
             finally:
                 stop_server(process)
             rows.append(result.row())
-            replies[f"{config} x{clients}"] = result.replies
-            print(f"{config} x{clients}: {result.seconds:.1f} s", file=sys.stderr, flush=True)
+            replies[f"{label} x{clients}"] = result.replies
+            print(f"{label} x{clients}: {result.seconds:.1f} s", file=sys.stderr, flush=True)
+    print(f"{args.model}, {len(conversations)} conversations, {args.max_tokens} tokens a turn, on {machine()}")
     print(columns_table(rows, TABLE))
     base = {r["clients"]: r for r in rows if r["config"] == rows[0]["config"]}
     for r in rows:
@@ -200,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{b['ttft_later_p50']:.2f} s")
     if args.replies:
         args.replies.write_text(json.dumps(replies, indent=1))
-    print(json.dumps({"model": args.model, "max_tokens": args.max_tokens, "conversations": len(conversations),
-                      "rows": rows}))
+    print(json.dumps({"model": args.model, "machine": machine(), "max_tokens": args.max_tokens,
+                      "conversations": len(conversations), "rows": rows}))
     return 0
 
 
