@@ -752,3 +752,50 @@ def test_under_a_curve_where_no_draft_can_pay_nothing_is_verified_and_where_draf
     assert steep.token_ids == flat.token_ids
     assert steep.stats.drafted_tokens == 0 and steep.stats.steps == 23  # (the prefill gives the first token)
     assert flat.stats.accepted_tokens >= 12 and flat.stats.steps < 12
+
+
+def context_priced(t64_long: float) -> PassCosts:
+    """Costs measured after 128 tokens (one row 0.1 s, each further row 0.3 plain steps) and again after 640, where
+    one row costs 1.05 plain steps of the short context, 17 rows 0.6 more than after 128 and 64 rows `t64_long`
+    more."""
+    curve = [1.0 + 0.3 * k for k in range(17)]
+    wide = [1.0 + 0.3 * (n - 1) for n in (24, 32, 64, 128)]
+    return PassCosts.of({"step_seconds": [0.1 * v for v in curve], "verification_costs": curve,
+                         "wide_rows": [24, 32, 64, 128], "wide_costs": wide, "sequence_cost": 0.1,
+                         "batch_row_cost": 0.3, "base_context": 128, "long_context": 640,
+                         "context_rows": [1, 17, 64], "context_costs": [1.05, curve[16] + 0.6, wide[2] + t64_long]})
+
+
+def test_a_pass_is_priced_at_the_sequences_length():
+    """A wide pass after a long context costs more plain steps than after the short one it was measured after: the
+    extra per context token measured at each row count, linear in the context, over the one-row pass's own."""
+    costs = context_priced(t64_long=3.0)
+    assert costs.at(100) is costs and costs.at(128) is costs  # (no longer than the measurement's context)
+    long = costs.at(640)
+    assert long.curve[0] == 1.0
+    assert long.rows(17) == pytest.approx((costs.rows(17) + 0.6) / 1.05)
+    assert long.rows(64) == pytest.approx((costs.rows(64) + 3.0) / 1.05)
+    assert long.rows(64) > costs.rows(64) and costs.at(1152).rows(64) > long.rows(64)  # and longer, dearer
+    assert costs.unit_at(1152) == pytest.approx(1.10)  # one row: 0.05 per 512 tokens
+    assert costs.at(645) is long  # (computed once per bucket of tokens)
+    old = PassCosts.of({k: v for k, v in costs.record.items() if not k.startswith(("context", "base", "long"))})
+    assert old.at(5000) is old  # a record without the long-context passes prices every length alike
+
+
+def test_a_copy_is_verified_shorter_where_the_context_makes_wide_passes_dear():
+    """The same copy, accepted whole every time, from a short prompt and from a long one: where the context makes the
+    wide passes dear, the long sequence's steps never verify as many of its tokens as the short one's; where the
+    context costs nothing, both go as far."""
+    def longest_verified(costs: PassCosts, length: int) -> int:
+        target = PricedModel(costs, capabilities=Capabilities(verify_rows=1 + LONG_K))  # (llama.cpp's wide rows)
+        run, longest = Adaptive().prepare(target, [Cheap()], prompt_length=length), 0
+        for _ in range(12):
+            draft = [5] * run.next_k(Cheap())
+            n = verified(run, Draft(draft, source="lookup"), "lookup")
+            run.update(StepOutcome(Draft(draft, source="lookup"), "lookup", n, n, 5, draft_s=1e-4, verify_s=0.0))
+            longest = max(longest, n)
+        return longest
+
+    dear, free = context_priced(t64_long=6.0), context_priced(t64_long=0.0)
+    assert longest_verified(dear, 3000) <= MAX_K < longest_verified(dear, 128) == LONG_K
+    assert longest_verified(free, 3000) == longest_verified(free, 128) == LONG_K
