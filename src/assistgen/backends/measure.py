@@ -3,16 +3,16 @@
 Contract: `step_times(model)` returns the seconds of one forward pass over n = 1..max_k+1 new tokens (or each n of
 `rows`) after a short random context, each timed right after an untimed one-row pass, as decoding meets it (a library
 may reuse the last pass's set-up for a pass of the same shape, as llama.cpp reuses its compute graph: a decoding step
-follows a one-row step, a verification pays the set-up), the best of a few rounds taken round-robin (`best_of_rounds`: a
-burst of noise then spoils one round of each row count, not every round of one); `random_context` makes the random ids
-(fed in pieces by `fed_in_pieces`; `usable_context` the length they get). `step_time_pieces` and `rounds` are the same
-measurements as generators that yield after each timed pass (their return value the result: `finish` runs one to its
-end), for a caller that measures between other work and may drop a measurement half done (closing it frees its caches).
-`watched(measure)` runs a measurement and adds to its record the share of the CPUs other processes took meanwhile
-(`others_share`); `is_quiet(record)` says whether that share was small enough for the record to be kept on disk as this
-machine's (a measurement made while other work shared the cores prices every later run wrongly: it is used for the run
-that made it, and made again next time). It uses only `backends.base` verbs (`new_cache`, `feed`, `crop`, `clock`), so
-it times any backend; it knows nothing about policies or routes.
+follows a one-row step, a verification pays the set-up), the best of a few rounds taken round-robin (`best_of_rounds`:
+a burst of noise then spoils one round of each row count, not every round of one); `random_context` makes the random
+ids (fed in pieces by `fed_in_pieces`). `step_time_pieces` and `rounds` are the same measurements as generators that
+yield after each timed pass (their return value the result: `finish` runs one to its end), for a caller that measures
+between other work and may drop a measurement half done (closing it frees its caches). `watched(measure)` runs a
+measurement and adds to its record the share of the CPUs other processes took meanwhile (`others_share`);
+`is_quiet(record)` says whether that share was small enough for the record to be kept on disk as this machine's (a
+measurement made while other work shared the cores prices every later run wrongly: it is used for the run that made
+it, and made again next time). It uses only `backends.base` verbs (`new_cache`, `feed`, `crop`, `clock`), so it times
+any backend; it knows nothing about policies or routes.
 """
 
 from __future__ import annotations
@@ -65,15 +65,10 @@ def random_context(model, context: int, new: int, seed: int) -> tuple[list[int],
     """Random token ids for timing: `context` tokens (fewer where the model's context length needs it) followed by
     `new` more; returns (ids, the context length used)."""
     vocab = min(model.vocab_size, len(model.tokenizer))
-    context = usable_context(model, context, new)
+    limit = model.context_length or context + new + 1
+    context = max(1, min(context, limit - new - 1))
     ids = torch.randint(3, vocab, (context + new,), generator=torch.Generator().manual_seed(seed)).tolist()
     return ids, context
-
-
-def usable_context(model, context: int, new: int) -> int:
-    """The context a timing asks for, shortened where the model's context length leaves no room for `new` more."""
-    limit = model.context_length or context + new + 1
-    return max(1, min(context, limit - new - 1))
 
 
 def best_of_rounds(runs: list, repeats: int) -> list[float]:

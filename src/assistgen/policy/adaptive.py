@@ -191,16 +191,15 @@ class AdaptiveRun:
         """The costs this run (and the step it is in) prices with: the measured ones, or, where the passes now also
         take a fixed time beyond one plain step's (weights streamed from their file), those with that time in every
         pass (`online.OnlineCosts`), so that drafting, and verifying, long pays when 1 and 17 rows cost nearly the
-        same, and a pass that also costs more per row than measured is not priced as free; either priced at the
-        sequence's length (`PassCosts.at`: a wide pass after a long context costs more plain steps)."""
+        same, and a pass that also costs more per row than measured is not priced as free."""
         if self.measured is None:
             return None
-        return self.measured.at(self.length) if self.online is None else self.online.costs(self.length)
+        return self.measured if self.online is None else self.online.costs()
 
     @property
     def unit_s(self) -> float | None:
         """The time of one plain step now (None before the first timed step, and when not measuring)."""
-        return None if self.online is None else self.online.unit_s(self.length)
+        return None if self.online is None else self.online.unit_s()
 
     @property
     def curve(self) -> tuple[float, ...]:
@@ -349,7 +348,7 @@ class AdaptiveRun:
         """Follow the passes' time and the drafter's cost per token from this step's timings (greedy only)."""
         if outcome.verify_s > 0:
             shape = (1 + outcome.alternatives, 1 + outcome.alternatives, outcome.verified + outcome.alternative_rows)
-            self.online.observe(shape, outcome.verify_s, self.length - outcome.accepted - 1)  # (its context)
+            self.online.observe(shape, outcome.verify_s)
         # A drafter that drafted last step too has no catch-up cost in its time.
         if outcome.drafter and outcome.draft.tokens and outcome.drafter in self.drafted_last and self.unit_s:
             self.time_drafter(outcome.drafter, outcome.draft_s, len(outcome.draft.tokens),

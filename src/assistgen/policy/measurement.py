@@ -1,18 +1,16 @@
 """How a model's pass costs are measured: the passes timed through the backend seam, and the record they make.
 
-Contract: `measure_costs(model)` times every stage now and returns the record saved on disk (`costs_record`): the curve
-`t(k+1) / t(1)` for k = 0..MAX_K, where t(n) is the time of one forward pass over n new tokens after a short context
-(`backends.measure.step_times`), measured on the model as it runs, after its transforms; t(n) / t(1) at a few wider row
-counts (`WIDE_ROWS`, for batched steps over many sequences); and what a further sequence and a further draft row cost in
-a pass over `BATCH` sequences, all after `BASE_CONTEXT` tokens; then `CONTEXT_ROWS` again after `LONG_CONTEXT` tokens,
-for what each token of context adds to a pass (`spec.costs.PassCosts.at`). The contexts are shortened where the model's
-context length needs it (`contexts`). `measurement_stages(model)` is the same measurement as stages, each a generator
-that yields after each timed pass (for a caller that measures between other work: the cost book's `Calibration`).
-Offloaded (`capabilities.offloaded`), every pass reads the weights from their file, so fewer row counts are timed
-(`SPARSE_ROWS`) and the curve is linear between them. `quick_costs(model)` is a provisional, conservative `PassCosts`
-from a few row counts. Everything goes through the seam (new cache, feed, crop, fork, clock), so any backend can be
-priced. This module measures when asked and keeps nothing: when to measure, and where the result is kept, is the cost
-book's (`policy.costs`).
+Contract: `measure_costs(model)` times every stage now and returns the record saved on disk (`costs_record`): the
+curve `t(k+1) / t(1)` for k = 0..MAX_K, where t(n) is the time of one forward pass over n new tokens after a short
+context (`backends.measure.step_times`), measured on the model as it runs, after its transforms; t(n) / t(1) at a
+few wider row counts (`WIDE_ROWS`, for batched steps over many sequences); and what a further sequence and a further
+draft row cost in a pass over `BATCH` sequences. `measurement_stages(model)` is the same measurement as stages, each
+a generator that yields after each timed pass (for a caller that measures between other work: the cost book's
+`Calibration`). Offloaded (`capabilities.offloaded`), every pass reads the weights from their file, so fewer row
+counts are timed (`SPARSE_ROWS`) and the curve is linear between them. `quick_costs(model)` is a provisional,
+conservative `PassCosts` from a few row counts. Everything goes through the seam (new cache, feed, crop, fork, clock),
+so any backend can be priced. This module measures when asked and keeps nothing: when to measure, and where the
+result is kept, is the cost book's (`policy.costs`).
 """
 
 from __future__ import annotations
@@ -30,19 +28,15 @@ from assistgen.backends.measure import (
     rounds,
     step_time_pieces,
     step_times,
-    usable_context,
     watched,
 )
 from assistgen.policy.gain import MAX_K
 from assistgen.spec.costs import PassCosts
 
 WIDE_ROWS = (24, 32, 64, 128)  # row counts past MAX_K + 1 measured for batched steps (`PassCosts.rows`)
-BASE_CONTEXT = 128  # the context the curve, the wide passes and the batched passes are timed after
-LONG_CONTEXT = 512  # ... and the longer one some row counts are timed after again, for `PassCosts.context_slopes`
-CONTEXT_ROWS = (1, MAX_K + 1, 64)
 BATCH = 8  # sequences in the batched passes measured for `PassCosts.batch`
 # else measured again (a record made before measurements were watched for other processes' load, too)
-REQUIRED = ("verification_costs", "wide_costs", "batch_row_cost", "sequence_cost", "context_costs", "others_share")
+REQUIRED = ("verification_costs", "wide_costs", "batch_row_cost", "sequence_cost", "others_share")
 SPARSE_ROWS = (1, 2, 3, 5, 9, 13, 17)  # the row counts timed under a memory budget (the rest interpolated)
 QUICK_ROWS = (1, 2, 3, 5, 9, MAX_K + 1)  # the row counts a provisional curve is timed at
 
@@ -72,39 +66,22 @@ def measurement_stages(model) -> list[Callable[[], Generator]]:
         return [lambda: step_time_pieces(model, rows=list(SPARSE_ROWS), repeats=1),
                 lambda: step_time_pieces(model, repeats=1, rows=list(WIDE_ROWS)),
                 lambda: batch_step_pieces(model, repeats=1)]
-    base, longer = contexts(model)
-    stages = [lambda: step_time_pieces(model, max_k=MAX_K, context=base),
-              lambda: step_time_pieces(model, repeats=2, rows=list(WIDE_ROWS), context=base),
-              lambda: batch_step_pieces(model, context=base)]
-    if longer > base:
-        stages.append(lambda: step_time_pieces(model, context=longer, repeats=2, rows=list(CONTEXT_ROWS)))
-    return stages
+    return [lambda: step_time_pieces(model, max_k=MAX_K),
+            lambda: step_time_pieces(model, repeats=2, rows=list(WIDE_ROWS)),
+            lambda: batch_step_pieces(model)]
 
 
-def contexts(model) -> tuple[int, int]:
-    """The short and the long context the passes are timed after, as the model's context length allows."""
-    new = max(*WIDE_ROWS, *CONTEXT_ROWS)
-    return usable_context(model, BASE_CONTEXT, new), usable_context(model, LONG_CONTEXT, new)
-
-
-def costs_record(model, times: list[float], wide: list[float], batch: tuple[float, float, float],
-                 longer: list[float] | None = None) -> dict:
-    """The saved record of a measurement's stages' times (`longer`: the CONTEXT_ROWS passes after the long context;
-    None where they were not timed: an offloaded model, whose passes the weights' reading sets, or a context too
-    short)."""
+def costs_record(model, times: list[float], wide: list[float], batch: tuple[float, float, float]) -> dict:
+    """The saved record of a measurement's stages' times."""
     if model.capabilities.offloaded:
         times = interpolated(times, SPARSE_ROWS)
     one, apart, two = batch
-    base, long_context = contexts(model)
     return {"model": model.name, "measured": time.strftime("%Y-%m-%d %H:%M"),
             "step_seconds": [round(t, 6) for t in times], "verification_costs": [t / times[0] for t in times],
             "wide_rows": list(WIDE_ROWS), "wide_costs": [t / times[0] for t in wide],
             # a batched pass over BATCH sequences: each further sequence, each further row of one (t(1) units)
             "sequence_cost": max(0.0, (apart - one) / (BATCH - 1) / times[0]),
-            "batch_row_cost": max(0.0, (two - apart) / BATCH / times[0]),
-            # the same passes after a longer context (t(1) units): what each context token adds to a pass
-            "base_context": base, "long_context": long_context, "context_rows": list(CONTEXT_ROWS),
-            "context_costs": [t / times[0] for t in longer] if longer else []}
+            "batch_row_cost": max(0.0, (two - apart) / BATCH / times[0])}
 
 
 def measure_costs(model) -> dict:

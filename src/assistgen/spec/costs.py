@@ -2,23 +2,17 @@
 
 Contract: `PassCosts` is one model's cost of one forward pass, in plain steps t(1) (the time of a pass over one new
 token): `curve[k] = t(k+1) / t(1)` (v[k] in `policy.gain`; a step that verifies k draft tokens feeds k+1 rows, so it
-costs v[k] plain steps, v[0] = 1), the cost of wider passes (`points`, `rows(n)`: linear between the row counts measured
-and past the last), and of batched passes over several sequences (`sequence`: each further sequence's own attention;
-`batch_row`: each further draft row; `batch(...)`). Those are measured after a short context (`base_context` tokens); a
-pass's attention also grows with its rows times the tokens before them, which `context_slopes` prices (per row count
-measured: the extra cost per context token, in t(1) at the short context) and `at(context)` applies: the same costs for
-a sequence `context` tokens long, in plain steps at that length (a wide pass over a long conversation costs more plain
-steps than over a short one). It is a frozen value: made from a measurement's saved record (`of`) or from a curve given
-by hand (`from_curve`), it never measures and never changes. Who measures it, when, and where it is kept is
-`policy.costs`'s (the cost book); `plain_seconds` reads the plain-step time a record carries.
+costs v[k] plain steps, v[0] = 1), the cost of wider passes (`points`, `rows(n)`: linear between the row counts
+measured and past the last), and of batched passes over several sequences (`sequence`: each further sequence's own
+attention; `batch_row`: each further draft row; `batch(...)`). It is a frozen value: made from a measurement's saved
+record (`of`) or from a curve given by hand (`from_curve`), it never measures and never changes. Who measures it,
+when, and where it is kept is `policy.costs`'s (the cost book); `plain_seconds` reads the plain-step time a record
+carries.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-CONTEXT_BUCKET = 32  # `PassCosts.at` prices a sequence's length in steps of this many tokens
-MAX_ROWS_SLOPE = 16  # the rows over which a further batched draft row's context extra is read
 
 
 @dataclass(frozen=True)
@@ -30,24 +24,13 @@ class PassCosts:
     sequence: float  # each further sequence in a batched pass (its own attention)
     batch_row: float  # each further draft row in a batched pass
     record: dict = field(default_factory=dict, compare=False)  # the measurement as saved (step seconds, date)
-    # (rows, the extra cost of a pass over that many rows per context token past base_context, in t(1) at
-    # base_context), rows ascending; empty: a pass costs the same at every length
-    context_slopes: tuple[tuple[int, float], ...] = ()
-    base_context: int = 0  # the context the curve and the points were measured after
-    _at: dict = field(default_factory=dict, compare=False, repr=False)  # at()'s results by context bucket
 
     @classmethod
     def of(cls, record: dict) -> PassCosts:
         curve = tuple(record["verification_costs"])
         points = list(enumerate(curve, start=1))
         points += [(n, c) for n, c in zip(record["wide_rows"], record["wide_costs"], strict=True) if n > len(points)]
-        costs = cls(curve, tuple(points), record["sequence_cost"], record["batch_row_cost"], record)
-        if not record.get("context_costs"):
-            return costs
-        base, longer = record["base_context"], record["long_context"]
-        slopes = tuple((n, max(0.0, (c - costs.rows(n)) / (longer - base)))
-                       for n, c in zip(record["context_rows"], record["context_costs"], strict=True))
-        return cls(curve, tuple(points), record["sequence_cost"], record["batch_row_cost"], record, slopes, base)
+        return cls(curve, tuple(points), record["sequence_cost"], record["batch_row_cost"], record)
 
     @classmethod
     def from_curve(cls, curve: list[float], like: PassCosts | None = None) -> PassCosts:
@@ -72,44 +55,6 @@ class PassCosts:
             return points[0][1] * rows
         (n0, c0), (n1, c1) = points[-2], points[-1]
         return c1 + (c1 - c0) * (rows - n1) / (n1 - n0)
-
-    def context_extra(self, rows: int, context: int) -> float:
-        """What a pass over `rows` rows costs beyond the measured one because `context` tokens come before them (in
-        t(1) at base_context): the slope of its row count (linear between the row counts measured, and past the
-        last) times the tokens past base_context."""
-        slopes, past = self.context_slopes, context - self.base_context
-        if not slopes or past <= 0:
-            return 0.0
-        for (n0, s0), (n1, s1) in zip(slopes, slopes[1:], strict=False):
-            if rows <= n1:
-                return past * (s0 + (s1 - s0) * max(0, rows - n0) / (n1 - n0))
-        if len(slopes) == 1:
-            return past * slopes[0][1] * rows / slopes[0][0]
-        (n0, s0), (n1, s1) = slopes[-2], slopes[-1]
-        return past * max(s1, s1 + (s1 - s0) * (rows - n1) / (n1 - n0))
-
-    def at(self, context: int) -> PassCosts:
-        """These costs for a sequence `context` tokens long, in plain steps at that length: each pass's measured
-        cost plus its `context_extra`, over the one-row pass's (a further sequence in a batch pays a one-row pass's
-        extra, a further draft row the extra per row). Itself where no slopes were measured or the context is no
-        longer than the measurement's; computed once per CONTEXT_BUCKET tokens."""
-        if not self.context_slopes or context <= self.base_context:
-            return self
-        bucket = context // CONTEXT_BUCKET
-        found = self._at.get(bucket)
-        if found is None:
-            length = bucket * CONTEXT_BUCKET
-            unit = 1.0 + self.context_extra(1, length)
-            row = (self.context_extra(1 + MAX_ROWS_SLOPE, length) - self.context_extra(1, length)) / MAX_ROWS_SLOPE
-            found = self._at[bucket] = PassCosts(
-                tuple((v + self.context_extra(k + 1, length)) / unit for k, v in enumerate(self.curve)),
-                tuple((n, (v + self.context_extra(n, length)) / unit) for n, v in self.points),
-                (self.sequence + self.context_extra(1, length)) / unit, (self.batch_row + row) / unit, self.record)
-        return found
-
-    def unit_at(self, context: int) -> float:
-        """A one-row pass after `context` tokens, in t(1) at base_context (1 where no slopes were measured)."""
-        return 1.0 + self.context_extra(1, max(context, self.base_context))
 
     def extended(self, k: int) -> tuple[float, ...]:
         """v[0..k]: the curve, and past its end (a copy longer than MAX_K) one sequence's `rows` (the wide passes'
