@@ -25,6 +25,8 @@ def verified_lengths(runs: list[ScheduleRun], drafts: list[Draft], drafter_names
         chosen = drafted
     else:
         sequences, base = len(drafts) + (1 if prefill_rows else 0), len(drafts) + prefill_rows
+        near_end = any(room <= d for room, d in zip(rooms, drafted, strict=True))  # (the end rule's curve, only
+        # where a draft could finish its sequence: most steps need no curve past MAX_K)
         chosen = lookahead(rates, drafted, lambda rows: costs.batch(sequences, base, rows - base), base,
-                           rooms=rooms, curve=costs.extended(max(drafted)))
+                           rooms=rooms if near_end else None, curve=costs.extended(max(drafted)) if near_end else ())
     return [max(0, min(n, room)) for n, room in zip(chosen, rooms, strict=True)]
