@@ -38,8 +38,9 @@ install: $(STAMP) espeak
 # depend on the other rows of its pass (docs/benchmarks.md): the backend verifies on the reference kernels and
 # runs prompts on the fast ones (`LlamaModel.row_exact`); q4_K's repacked AVX2 and AVX-512 kernels made to sum each
 # row as its one-row kernel does, so that they stay on under the switch; ggml's AMX kernels (row-exact as they are)
-# with the upstream fix for their tile set-up (llama.cpp PR #26954); and a KV slot search that keeps each sequence's
-# cells in position order, so that a request's logits do not depend on the others in the pool.
+# with the upstream fix for their tile set-up (llama.cpp PR #26954); a KV slot search that keeps each sequence's
+# cells in position order, so that a request's logits do not depend on the others in the pool; and flash attention
+# on its per-row path with the rows that share a key/value head taken together (each cell converted once for them).
 # `make llamacpp-dist` makes its sdist (from llama-cpp-python's, patched) and wheel in build/dist.
 LLAMA_CPP_PY := 0.3.36
 COMPANION := native/assistgen-llama-cpp
