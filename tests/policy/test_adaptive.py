@@ -752,3 +752,31 @@ def test_under_a_curve_where_no_draft_can_pay_nothing_is_verified_and_where_draf
     assert steep.token_ids == flat.token_ids
     assert steep.stats.drafted_tokens == 0 and steep.stats.steps == 23  # (the prefill gives the first token)
     assert flat.stats.accepted_tokens >= 12 and flat.stats.steps < 12
+
+
+def test_a_free_drafter_priced_out_again_and_again_is_asked_only_now_and_then():
+    """Where no copy can pay (every verified token costs a full step), a free drafter drafts `rest_after` times, then
+    only every `rest_steps + 1`-th step (its search costs a step's Python even when nothing is verified); once a draft
+    is verified again it is asked every step."""
+    settings = Adaptive(curve=LINEAR)
+    run, asked = settings.prepare(None, [Cheap()]), 0
+    for _ in range(40):
+        k = run.next_k(Cheap())
+        if k:
+            asked += 1
+            draft = [5] * k
+            n = verified(run, Draft(draft, source="lookup"), "lookup")
+            assert n == 0
+            run.update(step(draft, "lookup", n, 0, token=5))
+        else:
+            run.update(StepOutcome(Draft([]), "", 0, 0, 5))
+    assert asked == settings.rest_after + (40 - settings.rest_after) // (settings.rest_steps + 1)
+    assert run.report()["adaptive_rested_steps"] == 40 - asked
+    cheap = Adaptive(curve=[1.0 + 0.2 * k for k in range(17)]).prepare(None, [Cheap()])
+    for _ in range(settings.rest_after):
+        cheap.update(step([7] * 16, "lookup", 0, 0, token=3))  # drafts priced out ...
+    assert cheap.next_k(Cheap()) == 0
+    while cheap.next_k(Cheap()) == 0:
+        pass
+    cheap.update(step([5] * 16, "lookup", 4, 4, token=5))  # ... until one is verified
+    assert all(cheap.next_k(Cheap()) == LONG_K for _ in range(5))

@@ -45,7 +45,9 @@ class Adaptive:
     past the cost curve's end by the wide passes' measured costs;
     their unverified tokens are still checked against the tokens the target emits next, in this step and the
     following ones (`AdaptiveRun.check_unverified`), so their estimate keeps learning, at every position, while
-    speculation is off. Costlier drafters are asked for the best k directly and their draft is verified whole
+    speculation is off; one whose drafts keep being priced out is asked only every few steps (`rest_after`,
+    `rest_steps`), so text with nothing worth copying pays for its search on a few steps, not on all. Costlier
+    drafters are asked for the best k directly and their draft is verified whole
     (their acceptance one rate for every draft position: `Acceptance.pooled`; their first pass priced by the rows
     it feeds: `first_pass_extra`); while that k is 0 they are probed with k = 1 now and then, spending at most
     `probe_share` of the time, so drafting comes back when the text becomes predictable. A costly drafter
@@ -86,12 +88,19 @@ class Adaptive:
     # torch backend's forks copy the cache, which the step's price leaves out.)
     alternatives: int = 3
     flat: float = 2.0
+    # A free drafter whose last `rest_after` drafts were all priced out (none of their tokens verified) is asked
+    # only every `rest_steps + 1`-th step until one is verified again: its search and the policy's bookkeeping cost a
+    # step's Python even when nothing is verified, and its estimates learn from the drafts it still makes.
+    rest_after: int = 8
+    rest_steps: int = 3
 
     def __post_init__(self):
         check_k("max_k", self.max_k, 1)
         if self.long_k is None:
             object.__setattr__(self, "long_k", LONG_K if self.max_k == MAX_K else self.max_k)
         check_k("long_k", self.long_k, self.max_k, LONG_K)
+        if self.rest_after < 1 or self.rest_steps < 0:
+            raise ValueError(f"need rest_after >= 1 and rest_steps >= 0, got {self.rest_after}, {self.rest_steps}")
         if self.alternatives < 0 or self.flat < 0:
             raise ValueError(f"need alternatives >= 0 and flat >= 0, got {self.alternatives}, {self.flat}")
         if not 0.0 < self.weight <= 1.0 or not 0.0 <= self.prior <= 1.0 or not 0.0 <= self.unseen_floor <= 1.0:
@@ -131,9 +140,12 @@ class AdaptiveRun:
         self.length = prompt_length  # current sequence length
         self.end = None if budget is None else prompt_length + budget  # the length at which the generation stops
         self.probes = 0
+        self.rested = 0  # steps a free drafter was not asked for, resting
         # Each draft source's unverified draft tokens still being checked against what the target emits next:
         # {source: (drafter name, the tokens, the draft position of the first)} (`check_unverified`)
         self.unverified: dict[str, tuple[str, list[int], int]] = {}
+        self.unused: dict[str, int] = {}  # {free drafter: its drafts in a row of which nothing was verified}
+        self.resting: dict[str, int] = {}  # {free drafter: the steps it is still not asked for (`Adaptive.rest_after`)}
         self.drafted_last: set[str] = set()  # the drafters that drafted in the last step (no catch-up since)
         self.drafted_before: set[str] = set()  # and in the step before it
         # A model drafter that drafted last step feeds, in its next proposal's first pass, the tokens it has not seen:
@@ -227,6 +239,10 @@ class AdaptiveRun:
         name = drafter.name
         c = self.drafter_cost.get(name, 0.0)
         if c < self.settings.free_cost:  # a copy: as long as it goes, then verified as far as it pays
+            if self.resting.get(name, 0) > 0:  # (priced out for a while: asked again in a few steps)
+                self.resting[name] -= 1
+                self.rested += 1
+                return 0
             return self.long_k
         if name not in self.timed:  # a prior, in plain steps as measured: the passes' extra time is not the drafter's
             c /= self.slowdown()
@@ -301,12 +317,22 @@ class AdaptiveRun:
         self.check_unverified([*outcome.draft.tokens[: outcome.accepted], outcome.token])
         if outcome.drafter and outcome.draft.tokens:
             self.learn(outcome)
+            self.rest(outcome)
         if self.measure:
             self.measure_step(outcome)
         self.drafted_before = self.drafted_last
         self.drafted_last = {outcome.drafter} if outcome.drafter and outcome.draft.tokens else set()
         if outcome.drafter and outcome.draft.tokens:
             self.pending[outcome.drafter] = 2 if outcome.accepted == len(outcome.draft.tokens) else 1
+
+    def rest(self, outcome: StepOutcome) -> None:
+        """Count a free drafter's drafts priced out in a row; past `rest_after`, it rests `rest_steps` steps."""
+        name = outcome.drafter
+        if not self.is_free(name):
+            return
+        self.unused[name] = self.unused.get(name, 0) + 1 if outcome.verified == 0 else 0
+        if self.unused[name] >= self.settings.rest_after:
+            self.resting[name] = self.settings.rest_steps
 
     def learn(self, outcome: StepOutcome) -> None:
         """Record which of the step's draft tokens were accepted (and, for free, whether the next would have been)."""
@@ -364,7 +390,7 @@ class AdaptiveRun:
         self.timed.add(name)
 
     def report(self) -> dict:
-        out = {"schedule": "adaptive", "adaptive_probes": self.probes}
+        out = {"schedule": "adaptive", "adaptive_probes": self.probes, "adaptive_rested_steps": self.rested}
         if self.alternatives is not None:
             out.update(self.alternatives.report())
         out["drafter_cost_per_token"] = {k: round(v, 3) for k, v in self.drafter_cost.items()}
