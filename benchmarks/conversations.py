@@ -35,7 +35,7 @@ from pathlib import Path
 import openai
 from serve_load import free_port, gguf_of, peak_rss_mb, percentile, start_server, stop_server
 
-from assistgen.backends.machine import cpu_flags, cpu_name
+from assistgen.backends.machine import cpu_summary
 from assistgen.bench.report import columns_table
 
 ASSISTGEN = {"plain": [], "lookup": ["--lookup"], "ngram": ["--ngram-cache"],
@@ -99,14 +99,6 @@ def rounds_of(args) -> list[tuple[str, str, int]]:
     of `--draft-n-max`."""
     return [(f"{config}-n{n}" if config == "llama-draft" else config, config, n) for config in args.configs
             for n in (args.draft_n_max if config == "llama-draft" else [3])]
-
-
-def machine() -> str:
-    """The processor, its widest vector extension and the cores this process may use, for every table's heading."""
-    flags = cpu_flags()
-    widest = next((name for flag, name in (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
-                   if flag in flags), "no AVX2")
-    return f"{cpu_name()} ({widest}), {len(os.sched_getaffinity(0))} cores"
 
 
 async def one_turn(client: openai.AsyncOpenAI, args, messages: list[dict], later: bool, result: Round) -> str:
@@ -216,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(result.row())
             replies[f"{label} x{clients}"] = result.replies
             print(f"{label} x{clients}: {result.seconds:.1f} s", file=sys.stderr, flush=True)
-    print(f"{args.model}, {len(conversations)} conversations, {args.max_tokens} tokens a turn, on {machine()}")
+    print(f"{args.model}, {len(conversations)} conversations, {args.max_tokens} tokens a turn, on {cpu_summary()}")
     print(columns_table(rows, TABLE))
     base = {r["clients"]: r for r in rows if r["config"] == rows[0]["config"]}
     for r in rows:
@@ -227,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{b['ttft_later_p50']:.2f} s")
     if args.replies:
         args.replies.write_text(json.dumps(replies, indent=1))
-    print(json.dumps({"model": args.model, "machine": machine(), "max_tokens": args.max_tokens,
+    print(json.dumps({"model": args.model, "machine": cpu_summary(), "max_tokens": args.max_tokens,
                       "conversations": len(conversations), "rows": rows}))
     return 0
 

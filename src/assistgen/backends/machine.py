@@ -3,7 +3,8 @@
 Contract: `cpu_name()` is the processor's model name (from /proc/cpuinfo, else `platform.processor()`) and
 `cpu_flags()` its feature flags (/proc/cpuinfo's `flags`, or `Features` on ARM; empty where there is none), each
 read once per process; `cpu_identity()` is both in one string (name, then the flags sorted), what a probe's record
-is keyed by. `cpu_ticks()` reads the clock ticks spent so far on the CPUs this process may run on, and
+is keyed by; `cpu_summary()` is the name, the widest vector extension and the usable cores, for a figure's
+heading. `cpu_ticks()` reads the clock ticks spent so far on the CPUs this process may run on, and
 `others_share(end - start)` is the share of them that other processes took between two readings: how contended a
 measurement taken in between was.
 """
@@ -39,6 +40,14 @@ def cpu_name() -> str:
 def cpu_flags() -> frozenset[str]:
     fields = cpuinfo_fields()
     return frozenset((fields.get("flags") or fields.get("Features") or "").split())
+
+
+def cpu_summary() -> str:
+    """The processor, its widest vector extension and the cores this process may use, for a figure's heading."""
+    flags = cpu_flags()
+    widest = next((name for flag, name in (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+                   if flag in flags), "no AVX2")
+    return f"{cpu_name()} ({widest}), {len(os.sched_getaffinity(0))} cores"
 
 
 def cpu_identity() -> str:
