@@ -14,6 +14,7 @@ lossless exactly when that joint distribution equals the target's joint distribu
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections import defaultdict
 from functools import cache
@@ -25,6 +26,7 @@ from mixed_tokenizers import tiny_model
 from reference import verify, verify_speculative
 from reference import verify_speculative as correct_verify
 
+from assistgen.backends.torch.kept_head import keep_head
 from assistgen.config import GenerationConfig, Structure
 from assistgen.core.constraint import Constraint
 from assistgen.core.sampling import Sampler
@@ -327,6 +329,32 @@ def test_assistant_proposal_is_exact(same_pair, k, confidence, setting):
     assert lengths.get(k, 0) > 0  # full drafts happen
     if confidence and k == 3:
         assert sum(w for n, w in lengths.items() if n < k) > 0  # ... and so do drafts the confidence stop cut
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_an_assistant_with_a_kept_head_is_exact(same_pair, k, setting):
+    """FR-Spec: the assistant's head keeps 4 of the 7 tokens, so its q is zero on the others (which the target
+    still gives probability). Every draft token is a kept one, and the step's output is still exactly p."""
+    target, assistant = same_pair
+    pruned = copy.deepcopy(assistant)
+    kept = [1, 3, 4, 6]  # <eos>, a, b, d
+    keep_head(pruned, kept)
+    prompt = TOKENIZER("abcab")["input_ids"]
+    drafter = AssistantDrafter(pruned, target)
+    seen = set()
+
+    def propose(sampler):
+        draft = drafter.propose(prompt, k, sampler, 0.0)
+        seen.update(draft.tokens)
+        assert draft.probs is None or float(draft.probs[:, [0, 2, 5]].abs().sum()) == 0.0
+        return draft.tokens, draft.probs
+
+    config = SETTINGS[setting]
+    p_of = target_p_of(target, prompt, config, k)
+    got, lengths = step_distribution(propose, p_of, k, config)
+    assert_same_distribution(got, target_joint(k + 1, p_of))
+    assert seen and seen <= set(kept) and lengths.get(k, 0) > 0
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))

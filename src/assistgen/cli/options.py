@@ -1,18 +1,15 @@
 """Command-line options shared by the commands: which model, where models run and how they are loaded.
 
 Contract: `add_model` declares --model with its one default (`DEFAULT_MODEL`); `add_quantize` and `add_placement`
-declare --quantize, --backend, --assistant-backend, --device, --dtype, --context, --sequences, --max-memory and
---no-repack on a parser; `placement` turns the parsed values into the keyword arguments `assistgen.load_model` takes
-(only those given: no loading default is re-declared here, and an option of the other backend is refused by the
-loader, not dropped), `load_settings` into the `LoadSettings` they parse to, once per model a command loads;
-`load_target_and_assistant` loads a command's
-pair, splitting --max-memory between them (the assistant resident, the target streamed); `settings_from` gives the
-generation settings a command was given, with the output's structure (`add_structure`: --json-schema, --json,
---regex, --grammar; files read here, so that a missing or malformed one is an error naming it).
-
-`Parser` is the commands' argparse parser: an option whose value may be left out (`OptionalValue`, declared by
-`add_layers`: --early-exit, --speech-early-exit) takes the next argument only when that is its value (a whole number),
-so that it never swallows a positional (`transcribe --early-exit clip.wav`: early exit on, the file transcribed).
+declare --quantize, --backend, --assistant-backend, --assistant-quantize, --assistant-head, --device, --dtype,
+--context, --sequences, --max-memory and --no-repack on a parser; `placement` turns the parsed values into the
+keyword arguments `assistgen.load_model` takes (only those given: no loading default is re-declared here, and an
+option of the other backend is refused by the loader, not dropped), `load_settings` into the `LoadSettings` they
+parse to, once per model a command loads (the assistant's own --assistant-quantize and --assistant-head included);
+`load_target_and_assistant` loads a command's pair, splitting --max-memory between them (the assistant resident, the
+target streamed); `settings_from` gives the generation settings a command was given, with the output's structure
+(`add_structure`: --json-schema, --json, --regex, --grammar; files read here, so that a missing or malformed one is an
+error naming it).
 """
 
 from __future__ import annotations
@@ -119,6 +116,13 @@ def add_placement(p: argparse.ArgumentParser) -> None:
                         "is given, else torch)")
     p.add_argument("--assistant-backend", choices=BACKENDS,
                    help="the assistant's backend (default: --backend)")
+    p.add_argument("--assistant-quantize", metavar="q4_0|q8_0|...",
+                   help="llama.cpp backend: the assistant's GGUF file requantized once to this type and cached (q4_0 "
+                        "is the cheapest one-row step on most CPUs; default: --quantize, else the file's own types)")
+    p.add_argument("--assistant-head", type=int, metavar="N",
+                   help="llama.cpp backend: the assistant's output head kept to the vocabulary's N most frequent "
+                        "tokens (FR-Spec; e.g. 32768 of Qwen's 151,936): a cheaper draft step that never proposes the "
+                        "others; the output is unchanged (llama and qwen2 models)")
     p.add_argument("--device", help="torch backend: where the model(s) run: cpu (default), cuda or cuda:N")
     p.add_argument("--dtype", choices=list(DTYPES),
                    help="torch backend: weights and activations (default float32; bfloat16 is usual on a GPU)")
@@ -157,8 +161,11 @@ def placement(args: argparse.Namespace, assistant: bool = False) -> dict:
 def load_settings(args: argparse.Namespace, assistant: bool = False) -> LoadSettings:
     """The command's loading options parsed, once, into `LoadSettings` (the assistant's with `assistant`)."""
     given = placement(args, assistant)
-    if args.quantize:
-        given["quantize"] = args.quantize
+    quantize = (getattr(args, "assistant_quantize", None) or args.quantize) if assistant else args.quantize
+    if quantize:
+        given["quantize"] = quantize
+    if assistant and getattr(args, "assistant_head", None) is not None:
+        given["head"] = args.assistant_head
     return LoadSettings.parse(given.pop("backend"), **given)
 
 

@@ -1,5 +1,7 @@
 """Loading a model into llama.cpp: embedded aliases and `.gguf` paths memory-mapped as they are, transformers
-folders and hub ids converted to GGUF once (`convert.py`, to the type `LlamaSettings.quantize` names).
+folders and hub ids converted to GGUF once (`convert.py`, to the type `LlamaSettings.quantize` names); a GGUF file
+given a `quantize` type or a kept `head` is derived once (`derive.py`: requantized, its head kept to the most frequent
+tokens) and the derived file loaded.
 
 Contract: `load(spec, settings)` returns a `LlamaModel` or raises `ModelLoadError` naming the way out:
 llama-cpp-python not installed (the install command), a spec that is neither a GGUF file nor a convertible
@@ -27,6 +29,7 @@ from assistgen.backends.budget import check_model_budget, resident
 from assistgen.backends.embedded import EMBEDDED, ModelLoadError, say
 from assistgen.backends.gguf_reads import parsed_once
 from assistgen.backends.llamacpp.convert import converted_gguf
+from assistgen.backends.llamacpp.derive import derived_gguf
 from assistgen.backends.llamacpp.exactness import kernel_switch
 from assistgen.backends.llamacpp.gguf import tensor_sizes
 from assistgen.backends.llamacpp.guard import check_cpu
@@ -62,16 +65,15 @@ def load(spec: str, settings: LlamaSettings | None = None) -> LlamaModel:
     if settings.max_memory is not None:
         settings = replace(settings, repack=False)  # file-backed weights: repacked layouts are anonymous copies
     lib = library()
+    errors = _capture_log(lib)
     path, source = gguf_file(spec.strip()), None
     if path is None:  # a transformers folder or hub id: converted (and quantized) on first use
         path, source = converted_gguf(spec.strip(), settings.quantize, lib)
-    elif settings.quantize is not None:
-        raise ModelLoadError(f"{spec} is a GGUF file: llama.cpp runs it as its own weight types, so quantize="
-                             f"{settings.quantize!r} does not apply; give the transformers folder or hub id to "
-                             "convert it to another type.")
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
-    errors = _capture_log(lib)
+    given = path  # (its tokenizer is the derived file's)
+    if settings.head is not None or (source is None and settings.quantize is not None):
+        path = derived_gguf(path, settings.quantize if source is None else None, settings.head, lib)
     before = resident(trim=True)  # (growth measured from here: see check_budget)
     mparams = lib.llama_model_default_params()
     mparams.n_gpu_layers = 0
@@ -111,7 +113,8 @@ def load(spec: str, settings: LlamaSettings | None = None) -> LlamaModel:
                              f"sequences for {path.name}: {_said(errors)}. Ask for a shorter context (--context).")
     name = spec if spec in EMBEDDED or source is not None else path.name
     key = safe_name(f"{path.stem}-{path.stat().st_size}")
-    tokenizer = _tokenizer(path, key) if source is None else _folder_tokenizer(source)
+    tokenizer = _tokenizer(given, safe_name(f"{given.stem}-{given.stat().st_size}")) if source is None else \
+        _folder_tokenizer(source)
     model = LlamaModel(lib, model_ptr, context_ptr, tokenizer, name, path, settings, cache_key=f"llama.cpp-{key}")
     check_tokenizer(model)
     if settings.max_memory is not None:

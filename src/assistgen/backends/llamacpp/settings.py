@@ -40,8 +40,12 @@ class LlamaSettings:
     # default prefix cache (config.DEFAULT_PREFIX_CACHE, or one full context where that is more).
     kept_bytes: int | str = 0
     # For a transformers folder or hub id: the GGUF type it is converted to on first use (`convert.GGUF_TYPES`:
-    # q4_k_m, q8_0, ...; None: "auto", its own 16-bit type). A GGUF file runs as its own types.
+    # q4_k_m, q8_0, ...; None: "auto", its own 16-bit type); for a GGUF file, the type it is requantized to once
+    # (`derive.REQUANTIZE_TYPES`; None: it runs as its own types).
     quantize: str | None = None
+    # A drafter's output head kept to this many of the vocabulary's most frequent tokens (FR-Spec; `derive.py`): the
+    # others' logits are -inf, so it never proposes them and its step reads a fraction of the head. None: the whole.
+    head: int | None = None
 
     def thread_count(self) -> int:
         import os
