@@ -273,8 +273,8 @@ def test_bad_input_names_the_fix(tmp_path, smol, capsys):
         load_model("no-such-model", backend="llama.cpp")
     with pytest.raises(ModelLoadError, match="has no config.json"):
         load_model(str(tmp_path), backend="llama.cpp")
-    with pytest.raises(ModelLoadError, match="GGUF file.*does not apply"):
-        load_model("smollm2-135m", backend="llama.cpp", quantize="q8_0")
+    with pytest.raises(ModelLoadError, match="quantize belong to the torch backend.*GGUF file requantized"):
+        load_model("smollm2-135m", backend="llama.cpp", quantize="q4_k_x")
     with pytest.raises(ModelLoadError, match="GGUF type.*backend='llama.cpp'"):
         load_model("smollm2-135m", backend="torch", quantize="q4_k_m")
     with pytest.raises(ModelLoadError, match="quantize belong to the torch backend"):

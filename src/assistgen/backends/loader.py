@@ -53,9 +53,10 @@ def load(spec: str, settings: LoadSettings | None = None):
         if settings.quantize is not None and not is_gguf_type(settings.quantize):
             wrong.append("quantize")
         if wrong:
-            raise ModelLoadError(f"{', '.join(wrong)} belong to the torch backend; llama.cpp runs a GGUF file's own "
-                                 "weight types on the CPU (quantize there names a GGUF type a transformers folder is "
-                                 "converted to: q4_k_m, q8_0, ...). Use backend='torch' (--backend torch) for them.")
+            raise ModelLoadError(f"{', '.join(wrong)} belong to the torch backend; llama.cpp runs GGUF weight types "
+                                 "on the CPU (quantize there names one: a transformers folder is converted to it, a "
+                                 "GGUF file requantized to it: q4_0, q4_k_m, q8_0, ...). Use backend='torch' "
+                                 "(--backend torch) for them.")
         return llama_loading.load(spec, settings.llama_settings())
     if is_gguf_type(settings.quantize):
         raise ModelLoadError(f"quantize={settings.quantize!r} is a GGUF type, which llama.cpp's quantizer makes: use "
