@@ -19,7 +19,7 @@ from assistgen.backends.settings import LoadSettings
 from assistgen.backends.torch.loading import converted_dir, is_cached
 from assistgen.bench.dataset import DatasetError
 from assistgen.chat.templates import read_chat_template, use_chat_template
-from assistgen.cli import serve_speech
+from assistgen.cli import serve_access, serve_speech
 from assistgen.cli.options import (
     Parser,
     add_layers,
@@ -147,6 +147,9 @@ def add_serve(p: argparse.ArgumentParser) -> None:
                         "before listening (once; cached), so that the first request's drafts are priced right; "
                         "later: listen at once on a provisional curve from a few passes, the full measurement while "
                         "the server is idle")
+    p.add_argument("--shutdown-grace", type=float, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT: new requests get 503 while the running ones have this long to finish; the "
+                        "rest are then ended, each stream with a final chunk (finish reason abort) (default 30)")
     p.add_argument("--fast-prompts", action="store_true",
                    help="llama.cpp backend: prompts on ggml's fastest kernels (a faster prefill on some CPUs); a turn "
                         "continued from a kept prefix may then differ from the output a fresh server gives")
@@ -159,6 +162,7 @@ def add_serve(p: argparse.ArgumentParser) -> None:
     ray.add_argument("--cpus-per-replica", type=float, help="CPUs Ray reserves for each replica (default 1)")
     ray.add_argument("--no-route-by-key", dest="route_by_key", action="store_false",
                      help="send every request to the least loaded replica, keys or not")
+    serve_access.add_arguments(p)
     serve_speech.add_arguments(p)
     add_quantize(p)
     add_placement(p)
@@ -291,7 +295,8 @@ def server_spec(args: argparse.Namespace):
 
     settings = ServerSettings(model_name=args.model, ngram_cache=args.ngram_cache, suffix=args.suffix,
                               share_prefix_cache=args.share_prefix_cache, max_tokens_limit=args.max_tokens_limit,
-                              **serve_speech.limits(args))
+                              **serve_speech.limits(args), **serve_access.access(args),
+                              **({} if args.shutdown_grace is None else {"shutdown_timeout": args.shutdown_grace}))
     assistant = load_settings(args, assistant=True) if args.assistant else LoadSettings()
     return ServerSpec(args.model, serving_settings(args), args.assistant, assistant, fast_linear(args), args.lookup,
                       args.early_exit or False, args.schedule,
@@ -334,6 +339,9 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 def serve_on_ray(args: argparse.Namespace) -> int:
     """`assistgen serve --replicas N`: the same server as N Ray Serve replicas (`serving/ray.py`)."""
+    if args.ssl_keyfile or args.ssl_certfile or args.root_path:
+        raise ConfigError("--ssl-keyfile, --ssl-certfile and --root-path are one process's (uvicorn's): with "
+                          "--replicas, Ray Serve's HTTP proxy listens; put a TLS-terminating reverse proxy in front.")
     from assistgen.serving.ray import ReplicaOptions, run
 
     chosen = {n: getattr(args, n) for n in ("max_replicas", "target_ongoing_requests", "cpus_per_replica")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import Request as HTTPRequest
 
@@ -25,11 +26,38 @@ class ServerSettings:
     suffix: bool = False  # suffix drafting over the request and its API key's earlier requests
     share_prefix_cache: bool = False  # kept prefixes serve every request, whatever its key (default: its key's only)
     max_tokens_limit: int | None = None  # the most new tokens a request may ask for (None: no limit)
-    shutdown_timeout: float = 30.0  # seconds running requests get to finish on shutdown
+    shutdown_timeout: float = 30.0  # seconds running requests get to finish on shutdown (new ones: 503)
     max_upload_bytes: int = 25 * 2**20  # the largest audio file a transcription request may upload (OpenAI's)
     max_audio_seconds: float = 600.0  # the longest audio a transcription request may send
+    # The keys a request must carry as its bearer token (`gate.Gate`; none: the server answers anyone who reaches it)
+    api_keys: tuple[str, ...] = ()
+    metrics_need_key: bool = False  # /metrics behind the keys too (default: open, as /health, for a scraper)
+    max_body: int = 4 * 2**20  # the largest body a JSON endpoint takes (larger: 413 before it is read)
+    allowed_origins: tuple[str, ...] = ()  # browser origins CORS lets call it ("*": any); none: no CORS headers
+    root_path: str = ""  # the path prefix a reverse proxy serves it under (uvicorn's root_path)
+    tls_keyfile: str | None = None  # TLS through uvicorn: both files, or neither
+    tls_certfile: str | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        for key in self.api_keys:
+            if not isinstance(key, str) or not key.strip() or key != key.strip() or not key.isprintable():
+                raise ConfigError("An API key must be printable text without spaces at its ends; got one that is "
+                                  "empty or is not.")
+        if not self.shutdown_timeout >= 0:
+            raise ConfigError(f"shutdown_timeout (--shutdown-grace) must be 0 or more seconds, got "
+                              f"{self.shutdown_timeout}.")
+        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+        if (self.tls_keyfile is None) != (self.tls_certfile is None):
+            raise ConfigError("TLS needs both --ssl-keyfile and --ssl-certfile.")
+        for name in ("tls_keyfile", "tls_certfile"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"--{name.replace('tls', 'ssl').replace('_', '-')} {path}: no such file.")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ConfigError(f"--root-path must start with / and not end with one, got {self.root_path!r}.")
+        if not self.max_body > 0:
+            raise ConfigError(f"max_body (--max-body) must be above 0, got {self.max_body}.")
         if self.max_tokens_limit is not None and not self.max_tokens_limit > 0:
             raise ConfigError(f"max_tokens_limit (--max-tokens-limit) must be above 0, got {self.max_tokens_limit}.")
         if not self.max_upload_bytes > 0:
@@ -49,6 +77,14 @@ class AppState:
     metrics: Metrics
     speech: SpeechService | None = None  # the speech model /v1/audio/transcriptions uses (None: none served)
     closing: bool = False
+
+    @functools.cached_property
+    def longest_token(self) -> int:
+        """An upper bound on the bytes any one token of the model stands for: its vocabulary's longest entry in UTF-8
+        (a byte-level entry's characters are each one byte or more, a byte-fallback entry's name is longer than its
+        byte), so that text's bytes over it bound its tokens from below (`jobs.fits_untokenized`)."""
+        vocab = self.engine.target.tokenizer.get_vocab()
+        return max(1, max((len(token.encode("utf-8", "surrogatepass")) for token in vocab), default=1))
 
     @functools.cached_property
     def call_syntax(self) -> CallSyntax | None:

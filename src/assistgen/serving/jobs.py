@@ -120,6 +120,17 @@ def check_model(state: AppState, name: str | None) -> None:
                        "not_found_error", "model", "model_not_found")
 
 
+def fits_untokenized(state: AppState, texts: list[str], param: str) -> None:
+    """Refuse text that cannot fit the context whatever its tokenization, before the tokenizer runs on it: no token
+    of the model is longer than `AppState.longest_token` bytes, so n bytes are at least n / that many tokens."""
+    size = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
+    least = -(-size // state.longest_token)
+    if least >= state.context:
+        raise APIError(400, f"{param}: {size:,} bytes of text are at least {least:,} tokens in any tokenization (no "
+                       f"token of this model is longer than {state.longest_token} bytes), more than the context of "
+                       f"{state.context:,} tokens: send a shorter text.", param=param, code="context_length_exceeded")
+
+
 def encoded(encode: Callable[[], list[int]], param: str) -> list[int]:
     """The prompt's ids (`encode()`); what cannot be encoded is a 400 naming `param`, the field it came in."""
     try:

@@ -18,6 +18,7 @@ Ray Serve's controller starts a replacement.
 to the ingress every `METRICS_PUSH_S` seconds; counters and histograms are added up over the replicas,
 gauges over the replicas heard from in the last `STALE_S` seconds. Per request nothing is kept; per replica
 live the model, the engine, the n-gram caches of the keys routed there and the metrics.
+The ingress checks API keys and body sizes (`gate.Gate`, the replicas' settings) before it forwards anything.
 `run(spec, options, host, port, address)` starts (or joins) Ray, runs the application until SIGINT/SIGTERM
 and shuts Serve down; `assistgen serve` without --replicas never imports Ray.
 """
@@ -36,7 +37,9 @@ from dataclasses import dataclass
 from fastapi import Request as HTTPRequest  # (at module level: FastAPI resolves the handlers' annotations here)
 
 from assistgen.config import ConfigError
+from assistgen.serving.app_state import ServerSettings
 from assistgen.serving.assembly import ServerSpec, build_server
+from assistgen.serving.gate import Gate, openness
 
 METRICS_PUSH_S = 2.0
 STALE_S = 10.0
@@ -133,8 +136,9 @@ async def call_app(app, method: str, path: str, headers: list[tuple[str, str]], 
 # --- the deployments ------------------------------------------------------------------------------------------
 
 
-def deployments(options: ReplicaOptions):
-    """The two deployment classes (made here: Ray is imported only when replicas are asked for)."""
+def deployments(options: ReplicaOptions, settings: ServerSettings):
+    """The two deployment classes (made here: Ray is imported only when replicas are asked for); the ingress checks
+    keys and body sizes as one process does (`gate.Gate`, with the replicas' `settings`)."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from ray import serve
@@ -187,6 +191,12 @@ def deployments(options: ReplicaOptions):
             self.engine.shutdown(cancel=True, timeout=5.0)
 
     http = FastAPI(title="assistgen (Ray Serve)")
+    http.add_middleware(Gate, settings=settings)
+    if settings.allowed_origins:  # (outside the gate, as on one process)
+        from fastapi.middleware.cors import CORSMiddleware
+
+        http.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                            allow_methods=["GET", "POST"], allow_headers=["*"])
 
     @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
     @serve.ingress(http)
@@ -277,7 +287,7 @@ APP_NAME = "assistgen"
 
 
 def application(spec: ServerSpec, options: ReplicaOptions):
-    replica, ingress = deployments(options)
+    replica, ingress = deployments(options, spec.settings)
     return ingress.bind(replica.bind(spec, "Ingress", APP_NAME), options.route_by_key)
 
 
@@ -309,6 +319,7 @@ def stop() -> None:
 def run(spec: ServerSpec, options: ReplicaOptions, host: str, port: int, address: str | None = None) -> int:
     """`assistgen serve --replicas N`: serve until SIGINT/SIGTERM, then shut Serve down; 0 after a clean stop."""
     start(spec, options, host, port, address)
+    print(openness(spec.settings, host, port), flush=True)
     print(f"assistgen: serving {spec.model} on {options.replicas} Ray Serve replicas at http://{host}:{port}/v1",
           flush=True)
     stopping = threading.Event()

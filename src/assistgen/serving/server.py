@@ -14,8 +14,10 @@ the prompt against the context, the grammar compiled, `BatchEngine.admit`): each
 honoured or, where this server does not do it, refused unless left at its "off" value; a prompt plus the new tokens
 asked for must fit the context. A completion request with several prompts runs them as separate engine requests,
 batched, one choice each (`index` in order, usage summed); `echo` puts the prompt's text before each choice.
-A client mistake answers 4xx with OpenAI's error body (400 bad input, 404 unknown model, 429 queue full, 503
-shutting down), anything else 500 with the same body. A client that goes away mid-generation (streamed or not)
+Before any handler, `gate.Gate` checks the API key (`ServerSettings.api_keys`: 401 without a known one, `/health`
+open) and the body's size (413 past `ServerSettings.max_body`). A client mistake answers 4xx with OpenAI's error body
+(400 bad input, 401 no known key, 404 unknown model, 413 body too large, 429 queue full, 503 shutting down), anything
+else 500 with the same body. A client that goes away mid-generation (streamed or not)
 has its engine requests cancelled. Responses carry, besides OpenAI's fields, `metrics.speculative_decoding`
 (`metrics.spec_decode_metrics`, added up over the choices). The n-gram
 cache across requests is off unless `ServerSettings.ngram_cache` (suffix drafting's history: `suffix`); then a
@@ -38,6 +40,7 @@ from functools import partial
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -49,7 +52,8 @@ from assistgen.config import ConfigError, Structure
 from assistgen.policy.costs import costs_state
 from assistgen.serving.app_state import AppState, ServerSettings, state_of
 from assistgen.serving.batching import BatchEngine
-from assistgen.serving.jobs import Job, check_model, encoded, failure, merged, reply_metrics, submit
+from assistgen.serving.gate import Gate, openness
+from assistgen.serving.jobs import Job, check_model, encoded, failure, fits_untokenized, merged, reply_metrics, submit
 from assistgen.serving.metrics import Metrics
 from assistgen.serving.replies import finished, respond
 from assistgen.serving.speech_service import SpeechService
@@ -71,6 +75,7 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
     refuse_unsupported(body)
     target = state.engine.target
     prompts = completion_prompts(body.prompt)
+    fits_untokenized(state, [p for p in prompts if isinstance(p, str)], "prompt")
     ids = [encoded(lambda p=p: encode_prompt(target, p), "prompt") for p in prompts]
     jobs = submit(state, body, ids, http)
     echoes = [p if isinstance(p, str) else target.tokenizer.decode(p) for p in prompts] if body.echo else None
@@ -83,6 +88,7 @@ async def chat_completions(body: ChatRequest, http: HTTPRequest):
     refuse_unsupported(body)
     messages = message_dicts(body.messages)
     syntax, calls, specs = tools_for(state, tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls))
+    fits_untokenized(state, [m["content"] for m in messages if isinstance(m.get("content"), str)], "messages")
     ids = encoded(lambda: encode_chat(state.engine.target, messages, specs), "messages")
     jobs = submit(state, body, [ids], http, calls, "messages", template_prefix(state.engine.target, messages, ids))
     jobs[0].calls = syntax
@@ -123,6 +129,7 @@ async def responses(body: ResponsesRequest, http: HTTPRequest):
         syntax, calls, specs = tools_for(state, plan)
     except APIError as e:  # (chat's tools nest a function's fields under "function"; these tools are flat)
         raise APIError(e.status, flat_tool_names(e.message), e.type, flat_tool_names(e.param)) from e
+    fits_untokenized(state, [m["content"] for m in messages if isinstance(m.get("content"), str)], "input")
     ids = encoded(lambda: encode_chat(state.engine.target, messages, specs), "input")
     jobs = submit(state, body, [ids], http, calls, "input", template_prefix(state.engine.target, messages, ids))
     out = Reply(body, state.settings.model_name, syntax)
@@ -220,6 +227,10 @@ def create_app(engine: BatchEngine, settings: ServerSettings, make_drafter: Call
             await loop.run_in_executor(None, speech.close)
 
     app = FastAPI(title="assistgen", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(Gate, settings=settings)  # the API key and the body's size, before any handler
+    if settings.allowed_origins:  # (outside the gate: a browser's preflight carries no key)
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
     install_error_handlers(app)
     app.post("/v1/completions")(completions)
     app.post("/v1/chat/completions")(chat_completions)
@@ -245,22 +256,49 @@ def serve(engine: BatchEngine, settings: ServerSettings, host: str, port: int,
     import uvicorn
 
     app = create_app(engine, settings, make_drafter, speech)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", root_path=settings.root_path,
+                                           ssl_keyfile=settings.tls_keyfile, ssl_certfile=settings.tls_certfile))
     names = settings.model_name if speech is None else f"{settings.model_name} and {speech.name}"
-    return run_until_signal(server, engine, f"http://{host}:{port}/v1", names)
+    print(openness(settings, host, port), flush=True)
+    state = app.state.assistgen
+    scheme = "https" if settings.tls_certfile else "http"
+    return run_until_signal(server, engine, f"{scheme}://{host}:{port}{settings.root_path}/v1", names,
+                            partial(drain, state))
 
 
-def run_until_signal(server, engine: BatchEngine, url: str, name: str) -> int:
+def drain(state: AppState) -> None:
+    """The first half of a shutdown, while the server still listens: new requests are answered 503, the running and
+    waiting ones get `shutdown_timeout` seconds to finish, and the rest are ended (each stream with its final chunk,
+    finish reason "abort", and [DONE])."""
+    state.closing = True
+    state.engine.shutdown(cancel=False, timeout=state.settings.shutdown_timeout)
+    state.engine.shutdown(cancel=True, timeout=5.0)
+
+
+def run_until_signal(server, engine: BatchEngine, url: str, name: str,
+                     drain: Callable[[], None] | None = None) -> int:
     """Run uvicorn on a thread and the engine's loop on this (the main) thread, where PyTorch's CPU kernels run
-    fastest (`BatchEngine.run_forever`). SIGINT/SIGTERM ask uvicorn to stop (a second SIGINT forces it); its
-    lifespan then shuts the engine down, which ends the loop. Prints the URL once the socket is bound; 0 after a
-    clean stop, 1 when it never started (e.g. the port is taken)."""
+    fastest (`BatchEngine.run_forever`). The first SIGINT/SIGTERM runs `drain` on a thread (new requests 503, the
+    running ones finished within the grace, the rest ended), then asks uvicorn to stop, which waits for the streams'
+    last bytes; a second signal asks at once (a second SIGINT forces it). uvicorn's lifespan then shuts the engine
+    down, which ends the loop. Prints the URL once the socket is bound; 0 after a clean stop, 1 when it never started
+    (e.g. the port is taken)."""
     thread = threading.Thread(target=server.run, name="uvicorn")
     announced = threading.Event()
+    stopping = threading.Event()
+
+    def drained():
+        if drain is not None:
+            drain()
+        server.should_exit = True
 
     def stop(signum, _frame):
-        server.force_exit = server.should_exit and signum == signal.SIGINT
-        server.should_exit = True
+        if stopping.is_set() or drain is None:
+            server.force_exit = server.should_exit and signum == signal.SIGINT
+            server.should_exit = True
+            return
+        stopping.set()
+        threading.Thread(target=drained, name="assistgen-drain", daemon=True).start()
 
     def watch():
         while thread.is_alive():

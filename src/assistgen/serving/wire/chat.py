@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from assistgen.config import MAX_LOGPROBS
 from assistgen.core.logprobs import TokenLogprob
-from assistgen.serving.wire.common import Sampling, token_text
+from assistgen.serving.wire.common import MAX_MESSAGES, Sampling, token_text
 from assistgen.serving.wire.errors import APIError
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -40,7 +40,7 @@ class Message(BaseModel):
 
 
 class ChatRequest(Sampling):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, strict=True)
     metadata: dict[str, str] | None = None
     logprobs: bool | None = Field(None, strict=True)

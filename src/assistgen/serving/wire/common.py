@@ -16,6 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from assistgen.serving.wire.errors import APIError
 
+# The most items a request's lists may hold (with the body's size, `gate.Gate`, they bound what a request allocates)
+MAX_MESSAGES = 4096  # messages of a chat, items of a response's input
+MAX_STOP = 16  # stop strings (OpenAI's own limit is 4)
+MAX_PROMPTS = 256  # prompts of one completion request
+MAX_TOOLS = 256  # tools a request offers
 FINISH_REASONS = {"length": "length", "context": "length", "eos": "stop", "stop": "stop", "cancelled": "abort"}
 
 

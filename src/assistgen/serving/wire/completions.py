@@ -13,7 +13,7 @@ from pydantic import Field
 
 from assistgen.config import MAX_LOGPROBS
 from assistgen.core.logprobs import TokenLogprob
-from assistgen.serving.wire.common import Sampling, token_text
+from assistgen.serving.wire.common import MAX_PROMPTS, Sampling, token_text
 from assistgen.serving.wire.errors import APIError
 
 
@@ -38,6 +38,9 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) ->
     if not prompt:
         raise APIError(400, "prompt: give a prompt (a string, token ids, or a list of them), not an empty list.",
                        param="prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise APIError(400, f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}; send them in "
+                       "several.", param="prompt")
     return list(prompt)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from assistgen.config import ConfigError, GenerationConfig, Structure
-from assistgen.serving.wire.common import Sampling
+from assistgen.serving.wire.common import MAX_STOP, Sampling
 from assistgen.serving.wire.errors import APIError
 
 
@@ -31,6 +31,8 @@ def generation_config(body: Sampling, limit: int | None, room: int,
     settings = {k: v for k, v in given.items() if v is not None}
     if body.stop is not None:
         settings["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
+        if len(settings["stop"]) > MAX_STOP:
+            raise APIError(400, f"stop: at most {MAX_STOP} stop strings, got {len(settings['stop'])}.", param="stop")
     structure = structure_of(body)
     if calls is not None and structure is not None:
         raise APIError(400, "tools and a response format both constrain the output: give one, or tool_choice "

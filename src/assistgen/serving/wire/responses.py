@@ -26,7 +26,7 @@ from pydantic import Field
 from assistgen.chat.parser import Arguments, CallParser, CallStart, Content
 from assistgen.chat.syntax import CallSyntax
 from assistgen.serving.wire.chat import Message, call_dict, message_dicts
-from assistgen.serving.wire.common import Sampling, new_id
+from assistgen.serving.wire.common import MAX_MESSAGES, Sampling, new_id
 from assistgen.serving.wire.errors import APIError
 
 # --- the request ---------------------------------------------------------------------------------------------
@@ -139,6 +139,8 @@ class ResponsesRequest(Sampling):
         items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
         if not items:
             raise APIError(400, "input: give a string or a non-empty list of items.", param="input")
+        if len(items) > MAX_MESSAGES:
+            raise APIError(400, f"input: at most {MAX_MESSAGES} items, got {len(items)}.", param="input")
         for i, item in enumerate(items):
             out_item = input_message(item, f"input.{i}")
             if "tool_calls" in out_item and out and out[-1]["role"] == "assistant":  # (one turn: its text, calls)

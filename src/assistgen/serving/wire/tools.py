@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from assistgen.chat.tools import Tool
 from assistgen.config import ConfigError
+from assistgen.serving.wire.common import MAX_TOOLS
 from assistgen.serving.wire.errors import APIError
 
 
@@ -34,6 +35,8 @@ def tool_plan(tools, tool_choice, parallel_tool_calls) -> ToolPlan | None:
         return None
     if not isinstance(tools, list):
         raise APIError(400, "tools: give a list of function tools.", param="tools")
+    if len(tools) > MAX_TOOLS:
+        raise APIError(400, f"tools: at most {MAX_TOOLS} tools, got {len(tools)}.", param="tools")
     checked = []
     for i, spec in enumerate(tools):
         try:
