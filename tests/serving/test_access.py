@@ -194,3 +194,23 @@ def test_tls_cors_and_a_root_path(tmp_path):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_a_request_past_the_servers_deadline_ends_with_what_it_has_and_finish_reason_timeout(smollm2, one_thread):
+    server = start(smollm2, request_timeout=0.4)
+    try:
+        c = client(server, "any")
+        long = "Count from one to two hundred in words, one number a line:"
+        whole = c.completions.create(model=NAME, prompt=long, max_tokens=1500)
+        assert whole.choices[0].finish_reason == "timeout" and 0 < whole.usage.completion_tokens < 1500
+        events = list(c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": long}],
+                                                max_tokens=1500, stream=True))
+        assert [e.choices[0].finish_reason for e in events if e.choices and e.choices[0].finish_reason] == ["timeout"]
+        response = c.responses.create(model=NAME, input=long, max_output_tokens=1500)
+        assert response.status == "incomplete" and response.incomplete_details.reason == "timeout"
+        short = c.completions.create(model=NAME, prompt="Hi", max_tokens=2)  # within the deadline: as ever
+        assert short.choices[0].finish_reason == "length"
+        finished = httpx.get(f"{server.url}/metrics").text
+        assert 'finished_reason="timeout"' in finished
+    finally:
+        stop(server)

@@ -147,6 +147,9 @@ def add_serve(p: argparse.ArgumentParser) -> None:
                         "before listening (once; cached), so that the first request's drafts are priced right; "
                         "later: listen at once on a provisional curve from a few passes, the full measurement while "
                         "the server is idle")
+    p.add_argument("--request-timeout", type=float, metavar="SECONDS",
+                   help="the most a request may take, queued or running; then it ends with what it has, finish reason "
+                        "timeout (default: no limit)")
     p.add_argument("--shutdown-grace", type=float, metavar="SECONDS",
                    help="on SIGTERM/SIGINT: new requests get 503 while the running ones have this long to finish; the "
                         "rest are then ended, each stream with a final chunk (finish reason abort) (default 30)")
@@ -296,6 +299,7 @@ def server_spec(args: argparse.Namespace):
     settings = ServerSettings(model_name=args.model, ngram_cache=args.ngram_cache, suffix=args.suffix,
                               share_prefix_cache=args.share_prefix_cache, max_tokens_limit=args.max_tokens_limit,
                               **serve_speech.limits(args), **serve_access.access(args),
+                              request_timeout=args.request_timeout,
                               **({} if args.shutdown_grace is None else {"shutdown_timeout": args.shutdown_grace}))
     assistant = load_settings(args, assistant=True) if args.assistant else LoadSettings()
     return ServerSpec(args.model, serving_settings(args), args.assistant, assistant, fast_linear(args), args.lookup,

@@ -33,6 +33,7 @@ class ServerSettings:
     api_keys: tuple[str, ...] = ()
     metrics_need_key: bool = False  # /metrics behind the keys too (default: open, as /health, for a scraper)
     max_body: int = 4 * 2**20  # the largest body a JSON endpoint takes (larger: 413 before it is read)
+    request_timeout: float | None = None  # seconds a request may take, queued or running; then it ends ("timeout")
     allowed_origins: tuple[str, ...] = ()  # browser origins CORS lets call it ("*": any); none: no CORS headers
     root_path: str = ""  # the path prefix a reverse proxy serves it under (uvicorn's root_path)
     tls_keyfile: str | None = None  # TLS through uvicorn: both files, or neither
@@ -56,6 +57,9 @@ class ServerSettings:
                 raise ConfigError(f"--{name.replace('tls', 'ssl').replace('_', '-')} {path}: no such file.")
         if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
             raise ConfigError(f"--root-path must start with / and not end with one, got {self.root_path!r}.")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ConfigError(f"request_timeout (--request-timeout) must be above 0 seconds, got "
+                              f"{self.request_timeout}.")
         if not self.max_body > 0:
             raise ConfigError(f"max_body (--max-body) must be above 0, got {self.max_body}.")
         if self.max_tokens_limit is not None and not self.max_tokens_limit > 0:

@@ -14,7 +14,8 @@ again) and delivers each request's `engine.Chunk`s, in order, to `on_chunk` (cal
 chunk's `stats` a snapshot: the engine thread keeps updating its own; by default they go to a queue that iterating
 the `Request` reads). The last chunk of a request has its
 `finish_reason` set: length | eos | stop | context, or "cancelled" (`Request.cancel()`, e.g. a client
-that went away: its rows are freed before the next step), or "error" (`Request.error` says what).
+that went away: its rows are freed before the next step; the reason it was given, e.g. "timeout" for a server's
+deadline), or "error" (`Request.error` says what).
 `shutdown()` stops admitting requests, lets the running ones finish (or cancels them) and waits for
 the loop to return. Each request gets its own drafter: the one given to `submit`, else a fresh one from
 `make_drafter()` (drafters hold per-request state: caches, estimates), its own sampler and schedule
@@ -89,12 +90,16 @@ class Request:
         self.public = public  # its prompt's first tokens that hold no one's content (`core.prefix`: shared by all)
         self.error: str | None = None
         self.cancelled = threading.Event()
+        self.cancel_reason = "cancelled"  # the finish reason its last chunk gives once cancelled ("timeout", ...)
         self.done = threading.Event()
         self._queue: queue.Queue[Chunk] | None = None if on_chunk is not None else queue.Queue()
         self._on_chunk = on_chunk if on_chunk is not None else self._queue.put
 
-    def cancel(self) -> None:
-        """Stop generating for this request; the engine frees its rows before the next step."""
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stop generating for this request; the engine frees its rows before the next step, and its last chunk
+        gives `reason` as its finish reason (the first reason given)."""
+        if not self.cancelled.is_set():
+            self.cancel_reason = reason
         self.cancelled.set()
 
     def deliver(self, chunk: Chunk) -> None:
@@ -296,8 +301,8 @@ class BatchEngine:
         if not request.cancelled.is_set():
             return False
         self._release(request, sequence)
-        sequence.stats.finish_reason = "cancelled"
-        request.deliver(Chunk([], "", "cancelled", sequence.stats))
+        sequence.stats.finish_reason = request.cancel_reason
+        request.deliver(Chunk([], "", request.cancel_reason, sequence.stats))
         return True
 
 

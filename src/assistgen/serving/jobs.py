@@ -53,6 +53,7 @@ class Job:
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (when asked for, with the first chunk)
     last: Chunk | None = None
     calls: CallSyntax | None = None  # the tool-call syntax its text is read in (None: no tools)
+    deadline: asyncio.TimerHandle | None = None  # ends it with finish reason "timeout" (`request_timeout`)
 
     @property
     def usage(self) -> dict:
@@ -184,6 +185,9 @@ def submit_one(state: AppState, admitted: Admission, drafter: Drafter | None, ke
         if state.closing:
             raise APIError(503, "The server is shutting down.", "service_unavailable") from e
         raise APIError(429, str(e), "rate_limit_error") from e
+    if state.settings.request_timeout is not None:
+        job.deadline = asyncio.get_running_loop().call_later(state.settings.request_timeout, job.request.cancel,
+                                                             "timeout")
     return job
 
 
@@ -203,6 +207,8 @@ async def follow(state: AppState, job: Job) -> AsyncIterator[Chunk]:
                 state.metrics.finished(job, chunk.stats, FINISH_REASONS.get(chunk.finish_reason, "error"), at)
             yield chunk
     finally:
+        if job.deadline is not None:
+            job.deadline.cancel()
         if job.last is None or job.last.finish_reason is None:
             job.request.cancel()
 

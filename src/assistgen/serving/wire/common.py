@@ -21,7 +21,8 @@ MAX_MESSAGES = 4096  # messages of a chat, items of a response's input
 MAX_STOP = 16  # stop strings (OpenAI's own limit is 4)
 MAX_PROMPTS = 256  # prompts of one completion request
 MAX_TOOLS = 256  # tools a request offers
-FINISH_REASONS = {"length": "length", "context": "length", "eos": "stop", "stop": "stop", "cancelled": "abort"}
+FINISH_REASONS = {"length": "length", "context": "length", "eos": "stop", "stop": "stop", "cancelled": "abort",
+                  "timeout": "timeout"}
 
 
 class StreamOptions(BaseModel):

@@ -193,6 +193,7 @@ def input_message(item, param: str) -> dict:
 # the engine's finish reason -> (the response's status, why it is incomplete)
 STATUS = {"eos": ("completed", None), "stop": ("completed", None), "length": ("incomplete", "max_output_tokens"),
           "context": ("incomplete", "max_output_tokens"), "cancelled": ("cancelled", None),
+          "timeout": ("incomplete", "timeout"),
           "error": ("failed", None)}
 
 
