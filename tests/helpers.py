@@ -190,6 +190,16 @@ def start_serve_command(*flags: str, timeout: float = 120, env: dict | None = No
             time.sleep(0.2)
 
 
+
+def stop_serve_command(process) -> str:
+    """SIGTERM to a server `start_serve_command` started; asserts it exits 0 and returns what it printed."""
+    import signal
+
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(60) == 0
+    return process.stdout.read()
+
+
 NEAR_TIE = {torch.float32: 1e-3, torch.bfloat16: 0.5}  # top-1 minus top-2 logit below which a swap is a tie
 # (bfloat16 logits carry 8 bits of mantissa: two kernels that sum in another order can swap tokens whose logits
 # are a few units in the last place apart, 0.125 at a logit of 16..32)

@@ -6,12 +6,11 @@ httpx; no mocks."""
 from __future__ import annotations
 
 import os
-import signal
 
 import httpx
 import openai
 import pytest
-from helpers import start, start_serve_command, stop
+from helpers import start, start_serve_command, stop, stop_serve_command
 
 pytestmark = pytest.mark.integration
 
@@ -110,9 +109,7 @@ def test_the_command_takes_keys_from_flags_a_file_and_the_environment_and_refuse
         said = httpx.post(f"{url}/completions", content=chunks(), headers=auth, timeout=60)
         assert said.status_code == 413
         assert rss_mib(process.pid) - before < 50  # neither body was held
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(60) == 0
-        assert "3 API keys: requests without one are answered 401" in process.stdout.read()
+        assert "3 API keys: requests without one are answered 401" in stop_serve_command(process)
     finally:
         if process.poll() is None:
             process.kill()
@@ -188,9 +185,7 @@ def test_tls_cors_and_a_root_path(tmp_path):
         other = httpx.options(f"{url}/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"},
                               verify=tls)
         assert "access-control-allow-origin" not in other.headers
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(60) == 0
-        assert f"serving {NAME} at https://127.0.0.1:{port}/llm/v1" in process.stdout.read()
+        assert f"serving {NAME} at https://127.0.0.1:{port}/llm/v1" in stop_serve_command(process)
     finally:
         if process.poll() is None:
             process.kill()
@@ -214,3 +209,18 @@ def test_a_request_past_the_servers_deadline_ends_with_what_it_has_and_finish_re
         assert 'finished_reason="timeout"' in finished
     finally:
         stop(server)
+
+
+def test_options_that_would_do_nothing_are_refused(capsys):
+    from assistgen.cli.main import main
+    from assistgen.config import ConfigError
+    from assistgen.serving.app_state import ServerSettings
+
+    assert main(["generate", "--model", NAME, "--assistant-quantize", "q4_0", "hi"]) == 2
+    assert "--assistant-quantize set(s) how the assistant is loaded: add --assistant" in capsys.readouterr().err
+    assert main(["serve", "--model", NAME, "--assistant-head", "4096"]) == 2
+    assert "add --assistant" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--metrics-need-key puts /metrics behind the API keys"):
+        ServerSettings(NAME, metrics_need_key=True)
+    assert main(["serve", "--model", NAME, "--replicas", "2", "--shutdown-grace", "5"]) == 2
+    assert "--shutdown-grace is one process's drain" in capsys.readouterr().err

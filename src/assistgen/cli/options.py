@@ -160,6 +160,9 @@ def placement(args: argparse.Namespace, assistant: bool = False) -> dict:
 
 def load_settings(args: argparse.Namespace, assistant: bool = False) -> LoadSettings:
     """The command's loading options parsed, once, into `LoadSettings` (the assistant's with `assistant`)."""
+    lone = [f"--assistant-{n}" for n in ("quantize", "head") if getattr(args, f"assistant_{n}", None) is not None]
+    if lone and not getattr(args, "assistant", None):
+        raise ConfigError(f"{', '.join(lone)} set(s) how the assistant is loaded: add --assistant MODEL.")
     given = placement(args, assistant)
     quantize = (getattr(args, "assistant_quantize", None) or args.quantize) if assistant else args.quantize
     if quantize:

@@ -60,6 +60,8 @@ class ServerSettings:
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ConfigError(f"request_timeout (--request-timeout) must be above 0 seconds, got "
                               f"{self.request_timeout}.")
+        if self.metrics_need_key and not self.api_keys:
+            raise ConfigError("--metrics-need-key puts /metrics behind the API keys: give --api-key too.")
         if not self.max_body > 0:
             raise ConfigError(f"max_body (--max-body) must be above 0, got {self.max_body}.")
         if self.max_tokens_limit is not None and not self.max_tokens_limit > 0:

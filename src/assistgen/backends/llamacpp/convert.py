@@ -130,10 +130,13 @@ def run_converter(folder: Path, out: Path, outtype: str) -> None:
                              "this architecture, load it with backend='torch' (--backend torch).")
 
 
-def quantize_file(lib, source: Path, out: Path, ftype: str) -> None:
-    """llama.cpp's quantizer, as `llama-quantize` runs it, on all cores."""
+def quantize_file(lib, source: Path, out: Path, ftype: str, requantize: bool = False) -> None:
+    """llama.cpp's quantizer, as `llama-quantize` runs it, on all cores; `requantize`: from a quantized file, every
+    matrix (the head too) to `ftype` (`--allow-requantize --pure`)."""
     params = lib.llama_model_quantize_default_params()
     params.ftype = getattr(lib, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.nthread = os.cpu_count() or 1
+    params.allow_requantize = params.pure = requantize
     if lib.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params)) != 0:
-        raise ModelLoadError(f"llama.cpp's quantizer could not make {ftype} from {source.name}.")
+        hint = ": some row lengths may not fit that type's blocks; try q8_0 or q4_0" if requantize else ""
+        raise ModelLoadError(f"llama.cpp's quantizer could not make {ftype} from {source.name}{hint}.")

@@ -17,7 +17,6 @@ every refusal is a `ModelLoadError` naming the way out.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from assistgen.backends.embedded import ModelLoadError, say
-from assistgen.backends.llamacpp.convert import QUANTIZER_TYPES, converter_version
+from assistgen.backends.llamacpp.convert import QUANTIZER_TYPES, converter_version, quantize_file
 from assistgen.paths import cache_root, replaced_atomically, safe_name
 
 HEAD_ARCHITECTURES = ("llama", "qwen2")  # patches/llama.cpp-assistgen.patch: src/models/{llama,qwen2}.cpp
@@ -57,7 +56,7 @@ def derived_gguf(path: Path, quantize: str | None, head: int | None, lib) -> Pat
             write_kept_head(path, source, head)
         try:
             if kind:
-                requantize(lib, source, tmp, REQUANTIZE_TYPES[kind])
+                quantize_file(lib, source, tmp, REQUANTIZE_TYPES[kind], requantize=True)
             else:
                 os.replace(source, tmp)
         finally:
@@ -110,14 +109,3 @@ def write_kept_head(path: Path, out: Path, head: int) -> None:
         writer.write_tensor_data(data, tensor_endianess=reader.endianess)
     writer.close()
 
-
-def requantize(lib, source: Path, out: Path, ftype: str) -> None:
-    """llama.cpp's quantizer on a GGUF file, requantizing allowed, every matrix (the head too) to `ftype`."""
-    params = lib.llama_model_quantize_default_params()
-    params.ftype = getattr(lib, f"LLAMA_FTYPE_MOSTLY_{ftype}")
-    params.nthread = os.cpu_count() or 1
-    params.allow_requantize = True
-    params.pure = True
-    if lib.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params)) != 0:
-        raise ModelLoadError(f"llama.cpp's quantizer could not make {ftype} from {source.name}: some row lengths "
-                             "may not fit that type's blocks; try q8_0 or q4_0.")
