@@ -75,7 +75,9 @@ async def completions(body: CompletionRequest, http: HTTPRequest):
     refuse_unsupported(body)
     target = state.engine.target
     prompts = completion_prompts(body.prompt)
-    fits_untokenized(state, [p for p in prompts if isinstance(p, str)], "prompt")
+    for p in prompts:  # (each prompt its own sequence)
+        if isinstance(p, str):
+            fits_untokenized(state, [p], "prompt")
     ids = [encoded(lambda p=p: encode_prompt(target, p), "prompt") for p in prompts]
     jobs = submit(state, body, ids, http)
     echoes = [p if isinstance(p, str) else target.tokenizer.decode(p) for p in prompts] if body.echo else None
