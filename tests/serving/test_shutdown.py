@@ -16,12 +16,13 @@ from helpers import start_serve_command
 pytestmark = pytest.mark.integration
 
 NAME = "smollm2-135m"
+LONG = "the cat sat on the mat. " * 8 + "the cat sat on the"  # (greedy, it goes on repeating: long streams)
 
 
 def stream(url: str, max_tokens: int, out: dict, first: threading.Event) -> None:
     """One streamed completion read to its end: its events, and whether [DONE] came."""
     events, done = [], False
-    body = {"model": NAME, "prompt": "Count from one to a thousand in words:", "max_tokens": max_tokens,
+    body = {"model": NAME, "prompt": LONG, "max_tokens": max_tokens,
             "stream": True, "temperature": 0}
     try:
         with httpx.stream("POST", f"{url}/completions", json=body, timeout=120) as response:
@@ -39,12 +40,12 @@ def stream(url: str, max_tokens: int, out: dict, first: threading.Event) -> None
 
 @pytest.mark.parametrize("grace", [0.0, 60.0], ids=["grace-over", "grace-enough"])
 def test_sigterm_mid_stream_ends_every_stream_well_and_exits_0(grace):
-    process, port = start_serve_command("--model", NAME, "--lookup", "--max-batch", "2", "--shutdown-grace", str(grace))
+    process, port = start_serve_command("--model", NAME, "--max-batch", "2", "--shutdown-grace", str(grace))
     url = f"http://127.0.0.1:{port}/v1"
     try:
         outs = [{} for _ in range(3)]  # two running, one waiting (--max-batch 2)
         firsts = [threading.Event() for _ in outs]
-        threads = [threading.Thread(target=stream, args=(url, 48, out, first))
+        threads = [threading.Thread(target=stream, args=(url, 300, out, first))
                    for out, first in zip(outs, firsts, strict=True)]
         for thread in threads:
             thread.start()
