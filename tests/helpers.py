@@ -522,3 +522,42 @@ def silent_wav(seconds: float, rate: int = 16000) -> bytes:
         w.setframerate(rate)
         w.writeframes(b"\0\0" * int(rate * seconds))
     return out.getvalue()
+
+
+LONG = "the cat sat on the mat. " * 8 + "the cat sat on the"  # (greedy, it goes on repeating: long streams)
+
+
+def read_stream(url: str, model: str, max_tokens: int, out: dict, first) -> None:
+    """One streamed greedy completion of LONG read to its end (for shutdown tests): its status, its events, whether
+    [DONE] came, and the error of a dropped connection (what a drain must never cause); `first` is set at the first
+    event."""
+    import json
+
+    import httpx
+
+    events, done = [], False
+    body = {"model": model, "prompt": LONG, "max_tokens": max_tokens, "stream": True, "temperature": 0}
+    try:
+        with httpx.stream("POST", f"{url}/completions", json=body, timeout=120) as response:
+            out["status"] = response.status_code
+            for line in response.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    first.set()
+    except httpx.HTTPError as e:
+        out["error"] = repr(e)
+    out["events"], out["done"] = events, done
+
+
+def final_reasons(outs: list[dict]) -> list[str]:
+    """Each stream's finish reason, asserting that every stream ended well: status 200, no dropped connection,
+    exactly one final chunk, then [DONE]."""
+    reasons = []
+    for out in outs:
+        assert "error" not in out and out.get("status") == 200 and out["done"], out
+        last = [e["choices"][0]["finish_reason"] for e in out["events"] if e["choices"][0]["finish_reason"]]
+        assert len(last) == 1, out["events"][-3:]
+        reasons.append(last[0])
+    return reasons

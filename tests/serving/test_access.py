@@ -222,5 +222,3 @@ def test_options_that_would_do_nothing_are_refused(capsys):
     assert "add --assistant" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--metrics-need-key puts /metrics behind the API keys"):
         ServerSettings(NAME, metrics_need_key=True)
-    assert main(["serve", "--model", NAME, "--replicas", "2", "--shutdown-grace", "5"]) == 2
-    assert "--shutdown-grace is one process's drain" in capsys.readouterr().err

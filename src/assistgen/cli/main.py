@@ -346,9 +346,6 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     if args.ssl_keyfile or args.ssl_certfile or args.root_path:
         raise ConfigError("--ssl-keyfile, --ssl-certfile and --root-path are one process's (uvicorn's): with "
                           "--replicas, Ray Serve's HTTP proxy listens; put a TLS-terminating reverse proxy in front.")
-    if args.shutdown_grace is not None:
-        raise ConfigError("--shutdown-grace is one process's drain: with --replicas, Ray Serve shuts the replicas "
-                          "down (its graceful_shutdown_timeout_s).")
     from assistgen.serving.ray import ReplicaOptions, run
 
     chosen = {n: getattr(args, n) for n in ("max_replicas", "target_ongoing_requests", "cpus_per_replica")

@@ -21,6 +21,10 @@ live the model, the engine, the n-gram caches of the keys routed there and the m
 The ingress checks API keys and body sizes (`gate.Gate`, the replicas' settings) before it forwards anything.
 `run(spec, options, host, port, address)` starts (or joins) Ray, runs the application until SIGINT/SIGTERM
 and shuts Serve down; `assistgen serve` without --replicas never imports Ray.
+Shutdown (`drain`) as on one process: the first signal tells the ingress to answer new requests 503; each replica
+hears of it with its next metrics push (within `METRICS_PUSH_S`) and drains as one process does (`server.drain`:
+what is running gets the grace left, `ServerSettings.shutdown_timeout`, and the rest ends with its final chunk);
+Serve is shut down once the ingress relays no stream (or the grace and two pushes are over).
 """
 
 # (no `from __future__ import annotations`: Serve's ingress hands FastAPI the handlers' annotations as they are)
@@ -31,7 +35,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import Request as HTTPRequest  # (at module level: FastAPI resolves the handlers' annotations here)
@@ -40,8 +44,9 @@ from assistgen.config import ConfigError
 from assistgen.serving.app_state import ServerSettings
 from assistgen.serving.assembly import ServerSpec, build_server
 from assistgen.serving.gate import Gate, openness
+from assistgen.serving.server import drain as drain_server
 
-METRICS_PUSH_S = 2.0
+METRICS_PUSH_S = 1.0
 STALE_S = 10.0
 NO_KEY = ""  # the multiplexed model id of a request without an API key: no affinity
 
@@ -154,6 +159,7 @@ def deployments(options: ReplicaOptions, settings: ServerSettings):
             self.engine.start()
             self.pid = os.getpid()
             self.ingress = serve.get_deployment_handle(ingress_name, app_name)
+            self.draining = False
             threading.Thread(target=self.push_metrics, name="assistgen-metrics", daemon=True).start()
 
         @serve.multiplexed(max_num_models_per_replica=4096)
@@ -177,14 +183,20 @@ def deployments(options: ReplicaOptions, settings: ServerSettings):
                 gone.set()  # (a caller that stopped reading: the app cancels the engine request)
 
         def push_metrics(self) -> None:
+            """Every METRICS_PUSH_S: this replica's metrics to the ingress, which answers with the grace left when
+            the server is shutting down (then this replica drains as one process does)."""
             from prometheus_client import generate_latest
 
             while True:
                 try:
                     text = generate_latest(self.app.state.metrics.registry).decode()
-                    self.ingress.report.remote(str(self.pid), text).result(timeout_s=METRICS_PUSH_S * 5)
+                    grace = self.ingress.report.remote(str(self.pid), text).result(timeout_s=METRICS_PUSH_S * 5)
                 except Exception:  # noqa: BLE001 - the ingress may be starting or gone: try again later
-                    pass
+                    grace = None
+                if grace is not None and not self.draining:
+                    self.draining = True
+                    threading.Thread(target=drain_server, args=(self.app.state.assistgen, grace),
+                                     name="assistgen-drain", daemon=True).start()
                 time.sleep(METRICS_PUSH_S)
 
         def __del__(self):
@@ -205,9 +217,19 @@ def deployments(options: ReplicaOptions, settings: ServerSettings):
             self.replica = replica
             self.route_by_key = route_by_key
             self.reports: dict[str, tuple[float, str]] = {}  # replica -> (when, its metrics text)
+            self.closing_at: float | None = None  # (monotonic) when the grace of a shutdown ends
+            self.relaying = 0  # requests forwarded whose answer has not ended
 
-        def report(self, replica: str, text: str) -> None:
+        def report(self, replica: str, text: str) -> float | None:
+            """A replica's metrics in; out, the seconds of grace left when shutting down (None: not)."""
             self.reports[replica] = (time.monotonic(), text)
+            return None if self.closing_at is None else max(0.0, self.closing_at - time.monotonic())
+
+        def drain(self, grace: float) -> None:
+            self.closing_at = time.monotonic() + grace
+
+        def busy(self) -> int:
+            return self.relaying
 
         @http.get("/metrics")
         async def metrics(self):
@@ -217,6 +239,17 @@ def deployments(options: ReplicaOptions, settings: ServerSettings):
 
         @http.api_route("/{path:path}", methods=["GET", "POST"])
         async def forward(self, path: str, request: HTTPRequest):
+            if self.closing_at is not None:
+                return JSONResponse(error_body("The server is shutting down.", "service_unavailable"), 503)
+            self.relaying += 1
+            try:
+                return await self.relayed(path, request)
+            except BaseException:
+                self.relaying -= 1
+                raise
+
+        async def relayed(self, path: str, request: HTTPRequest):
+            """The replica's answer; `relaying` drops once its last byte is sent (or it fails)."""
             body = await request.body()
             headers = list(request.headers.items())
             target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
@@ -226,17 +259,22 @@ def deployments(options: ReplicaOptions, settings: ServerSettings):
             try:
                 status, out_headers = await stream.__anext__()
             except Exception as e:  # noqa: BLE001 - the replica died before answering
+                self.relaying -= 1
                 return JSONResponse(error_body(f"The replica serving this request failed: {type(e).__name__}. "
                                                "Retry: Ray Serve is replacing it.", "service_unavailable"), 503)
             kept = {k: v for k, v in out_headers if k.lower() not in ("content-length", "transfer-encoding")}
-            return StreamingResponse(relay(stream), status_code=status, headers=kept,
+            return StreamingResponse(relay(stream, self.relayed_one), status_code=status, headers=kept,
                                      media_type=kept.get("content-type"))
+
+        def relayed_one(self) -> None:
+            self.relaying -= 1
 
     return Replica, Ingress
 
 
-async def relay(stream) -> AsyncIterator[bytes]:
-    """A replica's body chunks; a replica that dies mid-stream ends it with an error event and [DONE]."""
+async def relay(stream, ended: Callable[[], None]) -> AsyncIterator[bytes]:
+    """A replica's body chunks; a replica that dies mid-stream ends it with an error event and [DONE]. Calls `ended`
+    once, when the relay is over however it ends."""
     import json
 
     from assistgen.serving.wire.errors import error_body
@@ -247,6 +285,8 @@ async def relay(stream) -> AsyncIterator[bytes]:
     except Exception as e:  # noqa: BLE001
         message = f"The replica serving this stream failed: {type(e).__name__}. Retry the request."
         yield f"data: {json.dumps(error_body(message, 'server_error'))}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        ended()
 
 
 def merged_metrics(reports: dict[str, tuple[float, str]], now: float) -> str:
@@ -327,8 +367,26 @@ def run(spec: ServerSpec, options: ReplicaOptions, host: str, port: int, address
     try:
         while not stopping.wait(0.5):
             pass
+        stopping.clear()
+        drain(spec.settings.shutdown_timeout, stopping)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         stop()
     return 0
+
+
+def drain(grace: float, again: threading.Event) -> None:
+    """The first half of a shutdown: the ingress answers new requests 503 and tells the replicas the grace (they
+    drain as one process does); returns once the ingress relays nothing, the grace and two metrics pushes are over,
+    or `again` is set (a second signal)."""
+    from ray import serve
+
+    ingress = serve.get_app_handle(APP_NAME)
+    try:
+        ingress.drain.remote(grace).result(timeout_s=30)
+        until = time.monotonic() + grace + 2 * METRICS_PUSH_S + 5.0
+        while time.monotonic() < until and not again.wait(0.2) and ingress.busy.remote().result(timeout_s=30):
+            pass
+    except Exception as e:  # noqa: BLE001 - Serve is failing already: shut it down as it is
+        print(f"assistgen: the drain stopped early ({type(e).__name__}: {e}); shutting down.", flush=True)

@@ -268,12 +268,12 @@ def serve(engine: BatchEngine, settings: ServerSettings, host: str, port: int,
                             partial(drain, state))
 
 
-def drain(state: AppState) -> None:
+def drain(state: AppState, grace: float | None = None) -> None:
     """The first half of a shutdown, while the server still listens: new requests are answered 503, the running and
-    waiting ones get `shutdown_timeout` seconds to finish, and the rest are ended (each stream with its final chunk,
-    finish reason "abort", and [DONE])."""
+    waiting ones get `grace` seconds (None: `shutdown_timeout`) to finish, and the rest are ended (each stream with
+    its final chunk, finish reason "abort", and [DONE])."""
     state.closing = True
-    state.engine.shutdown(cancel=False, timeout=state.settings.shutdown_timeout)
+    state.engine.shutdown(cancel=False, timeout=state.settings.shutdown_timeout if grace is None else grace)
     state.engine.shutdown(cancel=True, timeout=5.0)
 
 
