@@ -108,7 +108,10 @@ def test_the_command_takes_keys_from_flags_a_file_and_the_environment_and_refuse
 
         said = httpx.post(f"{url}/completions", content=chunks(), headers=auth, timeout=60)
         assert said.status_code == 413
-        assert rss_mib(process.pid) - before < 50  # neither body was held
+        flood = b'{"model": "' + NAME.encode() + b'", "prompt": "Hi", "stop": [' + b"[]," * 1_390_000 + b"[]]}"
+        said = httpx.post(f"{url}/completions", content=flood, headers=auth, timeout=60)  # 4 MiB of empty lists
+        assert said.status_code == 400 and said.json()["error"]["code"] == "too_many_items"
+        assert rss_mib(process.pid) - before < 50  # no body was held, nor parsed
         assert "3 API keys: requests without one are answered 401" in stop_serve_command(process)
     finally:
         if process.poll() is None:
@@ -126,6 +129,20 @@ def test_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(lock
                            ) as refused:
             call()
         assert refused.value.body["param"] == param and refused.value.body["code"] == "context_length_exceeded"
+
+
+def test_a_body_of_too_many_json_items_is_refused_before_it_is_parsed_and_text_is_not_counted(locked):
+    auth = {"Authorization": f"Bearer {KEYS[0]}", "Content-Type": "application/json"}
+    flood = b'{"model": "' + NAME.encode() + b'", "prompt": "Hi", "stop": [' + b"[]," * 300_000 + b"[]]}"
+    said = httpx.post(f"{locked.url}/v1/completions", content=flood, headers=auth, timeout=60)
+    assert said.status_code == 400 and said.json()["error"]["code"] == "too_many_items"
+    assert "holds 600,006 JSON items" in said.json()["error"]["message"]  # its commas and brackets, plus one
+    assert "at most 262,144" in said.json()["error"]["message"]
+    c = client(locked, KEYS[0])
+    text = 'a,[{\\"' * 300_000  # 1.2 MB of commas and brackets in a string, escaped quotes among them: no items
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.completions.create(model=NAME, prompt=text, max_tokens=2)
+    assert refused.value.body["code"] == "context_length_exceeded"  # (it got past the count, to the context)
 
 
 def test_list_fields_are_capped(locked):

@@ -6,7 +6,10 @@ HTTP request but `OPEN_PATHS` (and `/metrics` unless `ServerSettings.metrics_nee
 error body (`invalid_api_key`) before its body is read. Paths are the app's own (a reverse proxy's `root_path`
 taken off). A body longer than `ServerSettings.max_body` is answered 413 before it is parsed: at once where
 `Content-Length` says so (h11 holds a body to it), else (a chunked body) as soon as the bytes received pass the
-limit, the body taken in here and handed on whole, so that no request holds more than its limit in memory. The
+limit, the body taken in here and handed on whole, so that no request holds more than its limit in memory. A body
+taken in is then counted (`json_items`): one holding more JSON items than one per `BYTES_PER_ITEM` of the limit is
+answered 400 before it is parsed, so that what parsing and validating a body allocates is bounded by a multiple of
+the limit (each parsed item costs tens of bytes; a million empty lists in 4 MiB would cost hundreds of MiB). The
 transcription endpoint caps its own upload as it reads it, naming the file (`body_limit`). Without keys, every
 request gets in (`openness`: what `serve` says at start). It knows nothing of the handlers.
 """
@@ -16,11 +19,15 @@ from __future__ import annotations
 import hmac
 import json
 
+import numpy as np
+
 from assistgen.serving.app_state import ServerSettings
 from assistgen.serving.wire.errors import error_body
 
 OPEN_PATHS = frozenset({"/health"})  # a load balancer's probe needs no key
 TRANSCRIPTIONS = "/v1/audio/transcriptions"
+BYTES_PER_ITEM = 16  # a body may hold one JSON item per this many bytes of the limit (4 MiB: 262,144 items)
+WINDOW = 1 << 18  # bytes counted at a time (`json_items`)
 
 
 class Gate:
@@ -49,11 +56,9 @@ class Gate:
         if limit is None:
             return await self.app(scope, receive, send)
         length = headers.get(b"content-length")
-        if length is not None:  # (h11 holds the body to its Content-Length)
-            if not length.isdigit() or int(length) > limit:
-                return await answer(send, 413, too_large(limit))
-            return await self.app(scope, receive, send)
-        messages, received = [], 0  # a chunked body: taken in here, up to the limit, then handed on
+        if length is not None and (not length.isdigit() or int(length) > limit):  # (h11 holds a body to it)
+            return await answer(send, 413, too_large(limit))
+        messages, received = [], 0  # the body taken in here, up to the limit, counted, then handed on
         while True:
             message = await receive()
             messages.append(message)
@@ -64,6 +69,10 @@ class Gate:
                 return await answer(send, 413, too_large(limit))
             if not message.get("more_body", False):
                 break
+        chunks = [m.get("body", b"") for m in messages if m["type"] == "http.request"]
+        most = limit // BYTES_PER_ITEM
+        if (count := json_items(b"".join(chunks) if len(chunks) > 1 else chunks[0] if chunks else b"", most)) > most:
+            return await answer(send, 400, too_many_items(count, most))
 
         async def replayed():
             return messages.pop(0) if messages else await receive()
@@ -85,6 +94,30 @@ class Gate:
 def body_limit(settings: ServerSettings, path: str) -> int | None:
     """The most bytes a request's body may have on `path` (None: the endpoint caps its own body as it reads it)."""
     return None if path == TRANSCRIPTIONS else settings.max_body
+
+
+def json_items(body: bytes, most: int) -> int:
+    """How many JSON items (values and object members) `body` holds: its commas and opening brackets outside strings,
+    plus one (an upper bound on its values). Counted at C speed in a few MiB: in the raw bytes first, an upper bound
+    returned when it is within `most`; otherwise again outside strings, window by window."""
+    raw = body.count(b",") + body.count(b"[") + body.count(b"{") + 1
+    if raw <= most:
+        return raw
+    text = body.replace(b"\\\\", b"").replace(b'\\"', b"")  # (escapes gone: each quote left opens or closes a string)
+    found, inside = 1, False
+    for start in range(0, len(text), WINDOW):
+        window = np.frombuffer(text, np.uint8, count=min(WINDOW, len(text) - start), offset=start)  # (W,)
+        within = np.cumsum(window == ord('"'), dtype=np.int32) & 1 != inside  # (W,) in a string (at a quote: either)
+        marks = (window == ord(",")) | (window == ord("[")) | (window == ord("{"))  # (W,)
+        found += int(np.count_nonzero(marks & ~within))
+        inside = bool(within[-1])
+    return found
+
+
+def too_many_items(count: int, most: int) -> dict:
+    return error_body(f"The request body holds {count:,} JSON items (values and members); this server takes at most "
+                      f"{most:,} (one per {BYTES_PER_ITEM} bytes of its --max-body): send a shorter list, or text in "
+                      "place of a long list.", "invalid_request_error", None, "too_many_items")
 
 
 def too_large(limit: int) -> dict:

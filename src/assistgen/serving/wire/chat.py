@@ -9,13 +9,13 @@ tool message's `tool_call_id`), a malformed message being a 400 naming it; `chat
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from assistgen.config import MAX_LOGPROBS
 from assistgen.core.logprobs import TokenLogprob
-from assistgen.serving.wire.common import MAX_MESSAGES, Sampling, token_text
+from assistgen.serving.wire.common import FAIL_FAST, MAX_MESSAGES, Sampling, token_text
 from assistgen.serving.wire.errors import APIError
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -32,7 +32,7 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], FAIL_FAST] | None = None
     name: str | None = None  # accepted: the chat templates have no place for it
     tool_calls: Any = None  # an assistant's calls: [{"id", "type": "function", "function": {"name", "arguments"}}]
     tool_call_id: str | None = None  # a tool message: the call it answers
@@ -40,7 +40,7 @@ class Message(BaseModel):
 
 
 class ChatRequest(Sampling):
-    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)
     max_completion_tokens: int | None = Field(None, strict=True)
     metadata: dict[str, str] | None = None
     logprobs: bool | None = Field(None, strict=True)

@@ -10,7 +10,7 @@ is a token as the answers show it.
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,6 +21,7 @@ MAX_MESSAGES = 4096  # messages of a chat, items of a response's input
 MAX_STOP = 16  # stop strings (OpenAI's own limit is 4)
 MAX_PROMPTS = 256  # prompts of one completion request
 MAX_TOOLS = 256  # tools a request offers
+FAIL_FAST = Field(fail_fast=True)  # a list's validation stops at its first bad item: one error, not one per item
 FINISH_REASONS = {"length": "length", "context": "length", "eos": "stop", "stop": "stop", "cancelled": "abort",
                   "timeout": "timeout"}
 
@@ -75,7 +76,7 @@ class Sampling(BaseModel):
     top_p: float | None = None
     top_k: int | None = Field(None, strict=True)  # an extension of OpenAI's API
     seed: int | None = Field(None, strict=True, ge=-(2**63), lt=2**64)
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], FAIL_FAST] | None = None
     n: int | None = Field(None, strict=True)  # only 1
     stream: bool = False
     stream_options: StreamOptions | None = None

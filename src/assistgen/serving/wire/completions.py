@@ -7,18 +7,19 @@ choice's `logprobs` as the endpoint answers them ({tokens, token_logprobs, top_l
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field
 
 from assistgen.config import MAX_LOGPROBS
 from assistgen.core.logprobs import TokenLogprob
-from assistgen.serving.wire.common import MAX_PROMPTS, Sampling, token_text
+from assistgen.serving.wire.common import FAIL_FAST, MAX_PROMPTS, Sampling, token_text
 from assistgen.serving.wire.errors import APIError
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (str | Annotated[list[str], FAIL_FAST] | Annotated[list[int], FAIL_FAST]
+             | Annotated[list[Annotated[list[int], FAIL_FAST]], FAIL_FAST])
     echo: bool = False
     logprobs: int | None = Field(None, strict=True, ge=0, le=MAX_LOGPROBS)  # alternatives per token
 
