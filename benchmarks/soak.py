@@ -1,17 +1,19 @@
 """A soak of the real server: N clients for M minutes of mixed traffic on 127.0.0.1, bounded in count and time.
 
-Contract: starts `assistgen serve` (`--model`, `--backend`, lookup drafting, an API key, `--max-tokens-limit`, and
-any `--server-flags`) on a free 127.0.0.1 port; takes each greedy prompt's single-request answer first (one request
-at a time: the reference); then runs `--clients` clients at once until `--minutes` pass or `--max-requests` are
-sent, each picking at random (seeded) one of:
+Contract: starts `assistgen serve` (`--model`, `--backend`, lookup drafting, an API key, `--chat-template`,
+`--max-tokens-limit`, and any `--server-flags`) on a free 127.0.0.1 port; takes each greedy prompt's single-request
+answer first (one request at a time: the reference); then runs `--clients` clients at once until `--minutes` pass
+or `--max-requests` are sent, each picking at random (seeded) one of:
     chat        a greedy chat completion (official `openai` client), its text compared with its single run
     stream      a greedy streamed completion, read to its end, compared with its single run
     abort       a streamed completion closed after its second chunk
     timeout     a completion given a client timeout far shorter than it takes (abandoned)
     json        a chat completion under a JSON schema (its text must parse, with the schema's keys)
-    tools       a chat completion offered a tool, the choice "required" (a call must come back)
+    tools       a chat completion offered a tool, the choice "required" (a call must come back: the server runs a
+                chat template that renders tools, `--chat-template`, tests/data/hermes_tools.jinja by default)
     logprobs    a completion with logprobs (one per token)
-    bad         a malformed body, an unknown key, a 5 MiB body past --max-body, or a field out of range
+    bad         a malformed body, an unknown key, a 5 MiB body past --max-body, a field out of range, 4 MiB of empty
+                lists (too many JSON items), or 17 stop strings
 Counts every answer by status (a transport error that is not the client's own abort or timeout is a dropped
 connection), the latency of every answered request, and samples the server's RSS (VmRSS) every second: after the
 reference runs (warm-up), its peak, its end, and at the end of each minute (growth shows as a rising series).
@@ -56,6 +58,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 TOOL = {"type": "function", "function": {"name": "weather", "description": "The weather in a city.",
                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                         "required": ["city"]}}}
+TOOL_TOKENS = 64  # room for a whole call
+TEMPLATE = HERE.parent / "tests" / "data" / "hermes_tools.jinja"
 KINDS = ("chat", "stream", "abort", "timeout", "json", "tools", "logprobs", "bad")
 WEIGHTS = (4, 4, 1, 1, 1, 1, 1, 2)
 
@@ -99,7 +103,7 @@ async def stream(client, model: str, prompt: str, max_tokens: int, stop_after: i
 
 async def bad(http: httpx.AsyncClient, url: str, model: str, rng: random.Random) -> int:
     auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    which = rng.randrange(4)
+    which = rng.randrange(6)
     if which == 0:
         r = await http.post(f"{url}/chat/completions", content=b'{"model": "x", "messages": [', headers=auth)
     elif which == 1:
@@ -107,8 +111,14 @@ async def bad(http: httpx.AsyncClient, url: str, model: str, rng: random.Random)
                             headers={"Authorization": "Bearer not-a-key"})
     elif which == 2:
         r = await http.post(f"{url}/completions", content=b'{"prompt": "' + b"a" * (5 * 2**20) + b'"}', headers=auth)
-    else:
+    elif which == 3:
         r = await http.post(f"{url}/completions", json={"model": model, "prompt": "Hi", "temperature": -3},
+                            headers=auth)
+    elif which == 4:
+        r = await http.post(f"{url}/completions", content=b'{"prompt": "Hi", "stop": [' + b"[]," * 1_390_000 + b"[]]}",
+                            headers=auth)
+    else:
+        r = await http.post(f"{url}/completions", json={"model": model, "prompt": "Hi", "stop": ["x"] * 17},
                             headers=auth)
     return r.status_code
 
@@ -145,9 +155,12 @@ async def one(kind: str, rng: random.Random, clients: tuple, url: str, args, ref
         elif kind == "tools":
             reply = await client.chat.completions.create(
                 model=args.model, messages=[{"role": "user", "content": "What is the weather in Oslo?"}],
-                tools=[TOOL], tool_choice="required", max_tokens=args.max_tokens, temperature=0)
-            if reply.choices[0].finish_reason == "tool_calls" and not reply.choices[0].message.tool_calls:
+                tools=[TOOL], tool_choice="required", max_tokens=TOOL_TOKENS, temperature=0)
+            calls = reply.choices[0].message.tool_calls or []
+            if reply.choices[0].finish_reason != "tool_calls" or not calls or calls[0].function.name != "weather":
                 tally.invalid.append("tools")
+            else:
+                json.loads(calls[0].function.arguments)  # (raises, counted invalid below, unless it parses)
         elif kind == "logprobs":
             reply = await client.completions.create(model=args.model, prompt=prompt, max_tokens=args.max_tokens,
                                                     temperature=0, logprobs=1)
@@ -163,6 +176,8 @@ async def one(kind: str, rng: random.Random, clients: tuple, url: str, args, ref
         tally.status[e.status_code] += 1
     except (openai.APIConnectionError, httpx.TransportError) as e:
         tally.dropped.append(f"{kind}: {type(e).__name__}: {e}")
+    except json.JSONDecodeError:
+        tally.invalid.append(kind)
 
 
 async def client_loop(i: int, url: str, args, reference: dict, tally: Tally, end: float) -> None:
@@ -230,11 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-requests", type=int, default=20_000, help="the most requests sent in all")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chat-template", default=str(TEMPLATE), help="a template that renders tools")
     parser.add_argument("--server-flags", nargs=argparse.REMAINDER, default=[])
     args = parser.parse_args(argv)
     port = free_port()
     command = [sys.executable, "-m", "assistgen.cli.main", "serve", "--model", args.model, "--backend", args.backend,
-               "--lookup", "--api-key", KEY, "--max-tokens-limit", str(args.max_tokens), "--port", str(port),
+               "--lookup", "--api-key", KEY, "--chat-template", args.chat_template,
+               "--max-tokens-limit", str(max(args.max_tokens, TOOL_TOKENS)), "--port", str(port),
                *args.server_flags]
     process = start_server(command, port, timeout=600)
     try:
