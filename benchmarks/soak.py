@@ -16,7 +16,8 @@ or `--max-requests` are sent, each picking at random (seeded) one of:
                 lists (too many JSON items), or 17 stop strings
 Counts every answer by status (a transport error that is not the client's own abort or timeout is a dropped
 connection), the latency of every answered request, and samples the server's RSS (VmRSS) every second: after the
-reference runs (warm-up), its peak, its end, and at the end of each minute (growth shows as a rising series).
+reference runs, its peak, its end, and at the end of each minute (growth shows as a rising series); the end is
+judged against the first minute's (the warm-up: the allocator's high-water mark of every client at once).
 Prints a table and one JSON line; exits 1 when any answer was 5xx, any connection dropped, or any greedy answer
 differed from its single run.
 
@@ -233,7 +234,8 @@ async def soak(url: str, args, pid: int) -> dict:
             "latency_p50_s": round(percentile(tally.latency, 50), 3),
             "latency_p99_s": round(percentile(tally.latency, 99), 3),
             "rss_warm_mb": round(warm, 1), "rss_peak_mb": round(max(series, default=warm), 1),
-            "rss_end_mb": round(rss_mb(pid), 1), "rss_each_minute_mb": [round(x, 1) for x in minutes]}
+            "rss_end_mb": round(rss_mb(pid), 1), "rss_each_minute_mb": [round(x, 1) for x in minutes],
+            "rss_growth_after_first_minute": round(rss_mb(pid) / minutes[0] - 1, 4) if minutes else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
           f"greedy answers differing from their single run {result['differed_count']}  invalid {result['invalid']}")
     print(f"latency p50 {result['latency_p50_s']} s  p99 {result['latency_p99_s']} s")
     print(f"RSS MiB: after warm-up {result['rss_warm_mb']}, peak {result['rss_peak_mb']}, end {result['rss_end_mb']}; "
-          f"each minute {result['rss_each_minute_mb']}; server exit status {result_exit}")
+          f"each minute {result['rss_each_minute_mb']} (end against the first minute: "
+          f"{result['rss_growth_after_first_minute']}); server exit status {result_exit}")
     print(json.dumps({"benchmark": "soak", **result}))
     failed = result["5xx"] or result["dropped_count"] or result["differed_count"] or result["invalid"] or result_exit
     return 1 if failed else 0

@@ -13,6 +13,7 @@ import json
 from assistgen.backends.base import LanguageModel
 from assistgen.chat.templates import encode_chat
 from assistgen.config import ConfigError, GenerationConfig, Structure
+from assistgen.drafters.prediction import Prediction
 from assistgen.policy.adaptive import Adaptive
 from assistgen.spec.steps import Schedule
 
@@ -33,6 +34,25 @@ def encode_prompt(model: LanguageModel, prompt: str | list[int], chat: bool = Fa
         return encode_chat(model, [{"role": "user", "content": prompt}])
     return list(model.tokenizer(prompt)["input_ids"])
 
+
+
+def predicted(model: LanguageModel, prediction: str | list[int] | None, prompt_length: int) -> Prediction | None:
+    """`prediction` (text, tokenized without special tokens, or token ids) as the prediction drafter's `Prediction`
+    of an output that begins after `prompt_length` tokens; None without one."""
+    if prediction is None:
+        return None
+    if isinstance(prediction, str):
+        ids = list(model.tokenizer(prediction, add_special_tokens=False)["input_ids"]) if prediction else []
+    elif isinstance(prediction, (list, tuple)):
+        vocab = model.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prediction):
+            raise ConfigError(f"prediction: token ids must be integers from 0 to {vocab - 1} (the model's "
+                              "vocabulary); or give the predicted text as a string.")
+        ids = list(prediction)
+    else:
+        raise ConfigError(f"prediction must be the predicted text (a string) or its token ids, got "
+                          f"{type(prediction).__name__}.")
+    return Prediction(tuple(ids), prompt_length)
 
 
 def generation_config(settings: dict) -> GenerationConfig:

@@ -1,7 +1,8 @@
 """Drafter assembly: which drafter a set of drafting options (and a request's own changes to them) makes.
 
-Contract: `make_drafter(target, ...)` composes the drafting sources asked for, cheapest first (suffix, prompt lookup,
-the n-gram cache, one model: an assistant or early exit) into one drafter, or `NoDrafter`; `drafter_factory` is the
+Contract: `make_drafter(target, ...)` composes the drafting sources asked for, cheapest first (a request's predicted
+output, suffix, prompt lookup, the n-gram cache, one model: an assistant or early exit) into one drafter, or
+`NoDrafter`; `drafter_factory` is the
 same options as a server's `DrafterFactory`, declaring the models and context length its drafters need without
 making one; `model_drafter` is the drafter of an assistant model (same tokenizer: token ids; another: universal
 mode through text), which speech's assistants use too. Namespaced options (`suffix`, `ngram_cache`) name shared
@@ -23,6 +24,7 @@ from assistgen.drafters.early_exit import EarlyExitDrafter
 from assistgen.drafters.factory import DrafterFactory
 from assistgen.drafters.lookup import PromptLookupDrafter
 from assistgen.drafters.ngram import NGramCache, NGramCacheDrafter, cache_for, shared_cache
+from assistgen.drafters.prediction import Prediction, PredictionDrafter
 from assistgen.drafters.suffix import SuffixDrafter, SuffixHistory, history_for
 from assistgen.drafters.universal import UniversalDrafter
 from assistgen.spec.drafts import Drafter
@@ -35,12 +37,16 @@ def make_drafter(
     early_exit: bool | int = False,
     ngram_cache: bool | str | NGramCache | None = False,
     suffix: bool | str | SuffixHistory = False,
+    prediction: Prediction | None = None,
 ) -> Drafter:
-    """The drafter for these options; several sources compose, cheapest first (suffix, lookup, n-gram cache, a
-    model): suffix drafting before prompt lookup, whose match it extends."""
+    """The drafter for these options; several sources compose, cheapest first (the predicted output, suffix, lookup,
+    n-gram cache, a model): the caller's own prediction first, suffix drafting before prompt lookup, whose match it
+    extends."""
     if assistant is not None and early_exit:
         raise ConfigError("Choose either an assistant model or early exit (self-drafting), not both.")
     drafters: list = []
+    if prediction is not None and prediction.tokens:
+        drafters.append(PredictionDrafter(prediction))
     if suffix is not None and suffix is not False:
         drafters.append(SuffixDrafter(suffix_history_of(suffix)))
     if lookup:

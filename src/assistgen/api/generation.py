@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from assistgen.api.arguments import as_schedule, default_schedule, encode_prompt, generation_config
+from assistgen.api.arguments import as_schedule, default_schedule, encode_prompt, generation_config, predicted
 from assistgen.api.drafting import make_drafter
 from assistgen.api.names import as_model
 from assistgen.backends.base import LanguageModel
@@ -49,6 +49,7 @@ def stream(
     ngram_cache: bool | str | NGramCache | None = False,
     prefix: PrefixCache | None = None,
     suffix: bool | str | SuffixHistory = False,
+    prediction: str | list[int] | None = None,
     **settings,
 ) -> Iterator[Chunk]:
     """Stream `Chunk`s (tokens and text per verification step); the last one carries the stats.
@@ -60,7 +61,10 @@ def stream(
     cache only requests naming the same namespace share (`ngram.cache_for`); True: the process-wide shared
     namespace; or an `NGramCache` object), then one
     model: `assistant` (a model, name or drafter; another tokenizer switches to universal mode) or
-    `early_exit` (True, or a layer count: the target's own first layers draft). `schedule` defaults
+    `early_exit` (True, or a layer count: the target's own first layers draft). `prediction`: text (or token ids)
+    the output is expected to repeat in large part (OpenAI's Predicted Outputs, e.g. the file being edited): drafted
+    from first, where the output lines up with it (`drafters.prediction`); the output is the same without it.
+    `schedule` defaults
     to the cost-aware `Adaptive` policy; a schedule (its settings: never changed by a generation, so one
     object can serve many: `Constant(k=4)`, `Heuristic()`, `Adaptive(max_k=...)`).
     `settings` are the fields of `GenerationConfig`:
@@ -73,7 +77,8 @@ def stream(
     config = generation_config(settings)
     target = as_model(model)
     prompt_ids = encode_prompt(target, prompt, chat)
-    drafter = make_drafter(target, assistant, lookup, early_exit, ngram_cache, suffix)
+    drafter = make_drafter(target, assistant, lookup, early_exit, ngram_cache, suffix,
+                           predicted(target, prediction, len(prompt_ids)))
     schedule = as_schedule(schedule) if schedule is not None else default_schedule()
     if prefix is not None and prefix.model is not target:
         raise ConfigError("prefix: the PrefixCache belongs to another model than the one generating.")
@@ -93,6 +98,7 @@ def generate(
     prefix: PrefixCache | None = None,
     suffix: bool | str | SuffixHistory = False,
     cancelled: Callable[[], bool] | None = None,
+    prediction: str | list[int] | None = None,
     **settings,
 ) -> Generation:
     """Generate a continuation of `prompt`; same arguments as `stream`, and `cancelled`: asked after every
@@ -106,7 +112,7 @@ def generate(
     prompt_logprobs = None
     last = None
     chunks = stream(target, prompt_ids, assistant, lookup, schedule, False, early_exit, ngram_cache, prefix, suffix,
-                    **settings)
+                    prediction, **settings)
     for chunk in chunks:
         if cancelled is not None and cancelled():
             chunks.close()

@@ -22,6 +22,7 @@ from assistgen.core.logprobs import TokenLogprob
 from assistgen.core.prefix import NOBODY
 from assistgen.core.state import Chunk
 from assistgen.drafters.ngram import NGramCache
+from assistgen.drafters.prediction import Prediction, prediction_usage
 from assistgen.serving.app_state import AppState
 from assistgen.serving.batching import QueueFull, Request
 from assistgen.serving.metrics import spec_decode_metrics
@@ -54,14 +55,21 @@ class Job:
     last: Chunk | None = None
     calls: CallSyntax | None = None  # the tool-call syntax its text is read in (None: no tools)
     deadline: asyncio.TimerHandle | None = None  # ends it with finish reason "timeout" (`request_timeout`)
+    predicted: list[int] | None = None  # the predicted output's tokens (Predicted Outputs)
+    tokens: list[int] = field(default_factory=list)  # the output's tokens (kept only with a prediction)
 
     @property
     def usage(self) -> dict:
         n = len(self.prompt_ids)
         stats = self.last.stats if self.last is not None else None
-        return {"prompt_tokens": n, "completion_tokens": self.completion_tokens,
-                "total_tokens": n + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": stats.cached_tokens if stats is not None else 0}}
+        out = {"prompt_tokens": n, "completion_tokens": self.completion_tokens,
+               "total_tokens": n + self.completion_tokens,
+               "prompt_tokens_details": {"cached_tokens": stats.cached_tokens if stats is not None else 0}}
+        if self.predicted is not None:  # (OpenAI's counts: the predicted tokens that appear in the answer, and not)
+            accepted, rejected = prediction_usage(self.predicted, self.tokens)
+            out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                                "rejected_prediction_tokens": rejected}
+        return out
 
 
 def chunk_sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[Chunk], None]:
@@ -90,10 +98,10 @@ def ngram_namespace(key: str | None) -> str | NGramCache:
     return key_namespace(key)
 
 
-def drafter_for(state: AppState, key: str | None) -> Drafter | None:
+def drafter_for(state: AppState, key: str | None, prediction: Prediction | None = None) -> Drafter | None:
     """A request's own drafter when what it drafts from depends on its API key (the n-gram cache, suffix drafting's
-    history: the key's, nothing shared without one); None: the engine's."""
-    given: dict = {}
+    history: the key's, nothing shared without one) or on the request (its predicted output); None: the engine's."""
+    given: dict = {} if prediction is None else {"prediction": prediction}
     if state.settings.ngram_cache:
         given["ngram_cache"] = ngram_namespace(key)
     if state.settings.suffix and key is not None:
@@ -141,26 +149,33 @@ def encoded(encode: Callable[[], list[int]], param: str) -> list[int]:
 
 
 def submit(state: AppState, body: Sampling, prompts: list[list[int]], http: HTTPRequest,
-           calls: Structure | None = None, param: str = "prompt", public: int = 0) -> list[Job]:
+           calls: Structure | None = None, param: str = "prompt", public: int = 0,
+           predicted: list[int] | None = None) -> list[Job]:
     """One engine request per prompt, each admitted before any is queued; a refusal cancels the ones already
     queued. `calls`: the structure tool calls follow; `param`: the field the prompts came in; `public`: how many of
-    each prompt's first tokens its chat template renders from no content (`chat.templates.template_prefix`)."""
+    each prompt's first tokens its chat template renders from no content (`chat.templates.template_prefix`);
+    `predicted`: the predicted output's tokens (Predicted Outputs), drafted from by each prompt's drafter."""
     configs = [generation_config(body, state.settings.max_tokens_limit, state.context - len(ids), calls)
                for ids in prompts]
     if state.closing:
         raise APIError(503, "The server is shutting down.", "service_unavailable")
     key, started = api_key(http), time.perf_counter()
-    admitted = [admission(state, ids, config, drafter_for(state, key), param)
+    admitted = [admission(state, ids, config, drafter_for(state, key, prediction_of(predicted, ids)), param)
                 for ids, config in zip(prompts, configs, strict=True)]
     jobs: list[Job] = []
     try:
         for one, drafter in admitted:
             jobs.append(submit_one(state, one, drafter, key, started, public))
+            jobs[-1].predicted = predicted
     except APIError:
         for job in jobs:
             job.request.cancel()
         raise
     return jobs
+
+
+def prediction_of(predicted: list[int] | None, prompt: list[int]) -> Prediction | None:
+    return None if predicted is None else Prediction(tuple(predicted), len(prompt))
 
 
 def admission(state: AppState, ids: list[int], config: GenerationConfig, drafter: Drafter | None,
@@ -198,6 +213,8 @@ async def follow(state: AppState, job: Job) -> AsyncIterator[Chunk]:
             chunk, at = await job.queue.get()
             job.last = chunk
             job.completion_tokens += len(chunk.tokens)
+            if job.predicted is not None:
+                job.tokens += chunk.tokens
             job.texts.append(chunk.text)
             job.logprobs += chunk.logprobs or []
             if chunk.prompt_logprobs is not None:
@@ -249,6 +266,9 @@ def usage(jobs: list[Job]) -> dict:
     total = {k: sum(p[k] for p in parts) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
     total["prompt_tokens_details"] = {"cached_tokens": sum(p["prompt_tokens_details"]["cached_tokens"]
                                                            for p in parts)}
+    details = [p["completion_tokens_details"] for p in parts if "completion_tokens_details" in p]
+    if details:
+        total["completion_tokens_details"] = {k: sum(d[k] for d in details) for k in details[0]}
     return total
 
 

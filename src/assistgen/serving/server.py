@@ -92,9 +92,20 @@ async def chat_completions(body: ChatRequest, http: HTTPRequest):
     syntax, calls, specs = tools_for(state, tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls))
     fits_untokenized(state, [m["content"] for m in messages if isinstance(m.get("content"), str)], "messages")
     ids = encoded(lambda: encode_chat(state.engine.target, messages, specs), "messages")
-    jobs = submit(state, body, [ids], http, calls, "messages", template_prefix(state.engine.target, messages, ids))
+    jobs = submit(state, body, [ids], http, calls, "messages", template_prefix(state.engine.target, messages, ids),
+                  predicted_tokens(state, body))
     jobs[0].calls = syntax
     return await respond(state, body, jobs, True, http)
+
+
+def predicted_tokens(state: AppState, body: ChatRequest) -> list[int] | None:
+    """The tokens of the request's predicted output (Predicted Outputs), checked against the context untokenized
+    first; None without one."""
+    if body.prediction is None:
+        return None
+    text = body.prediction.text()
+    fits_untokenized(state, [text], "prediction")
+    return list(state.engine.target.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
 def tools_for(state: AppState, plan: ToolPlan | None) -> tuple[CallSyntax | None, Structure | None, list | None]:

@@ -39,6 +39,19 @@ class Message(BaseModel):
     function_call: Any = None
 
 
+class Predicted(BaseModel):
+    """OpenAI's Predicted Outputs: text the answer is expected to repeat in large part (drafted from, never
+    changing the answer)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["content"]
+    content: str | Annotated[list[TextPart], FAIL_FAST]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)
     max_completion_tokens: int | None = Field(None, strict=True)
@@ -52,7 +65,7 @@ class ChatRequest(Sampling):
     function_call: Any = None
     audio: Any = None
     modalities: Any = None
-    prediction: Any = None
+    prediction: Predicted | None = None
     reasoning_effort: Any = None
     web_search_options: Any = None
     store: Any = None

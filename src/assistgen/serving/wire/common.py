@@ -45,7 +45,6 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "suffix": ((None, ""), "suffix (insertion) is not supported."),
     "audio": ((None,), "audio output is not supported."),
     "modalities": ((None, ["text"]), "only the text modality is supported."),
-    "prediction": ((None,), "predicted outputs are not supported."),
     "reasoning_effort": ((None,), "this model has no reasoning settings."),
     "web_search_options": ((None,), "web search is not supported."),
     "store": ((None, False), "nothing is stored by this server."),
