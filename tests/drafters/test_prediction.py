@@ -50,6 +50,8 @@ def test_the_drafter_drafts_from_the_output_only_and_names_its_source_by_the_mat
     assert draft.tokens == PREDICTED[9:13] and draft.source == "prediction:8"
     assert drafter.propose(prompt, 4, None).tokens == PREDICTED[:4]
     assert drafter.propose(prompt + PREDICTED, 4, None).tokens == []  # the prediction is used up
+    assert drafter.propose(prompt + PREDICTED[:9] + [1, PREDICTED[3]], 4, None).tokens == []  # one token: no evidence
+    assert drafter.propose(prompt + [PREDICTED[0]], 4, None).tokens == PREDICTED[1:5]  # (but the first is)
 
 
 def test_usage_counts_the_predicted_tokens_that_appear_in_the_output():
@@ -76,10 +78,10 @@ def test_greedy_output_is_the_same_with_any_prediction_and_right_predictions_are
     model = smollm2 if backend == "torch" else load_model("smollm2-135m", backend="llama.cpp")
     plain = generate(model, ASK, chat=True, max_new_tokens=80)
     right = generate(model, ASK, chat=True, max_new_tokens=80, prediction=plain.text)
-    assert right.tokens == plain.tokens
-    assert right.stats.accepted_tokens >= len(plain.tokens) // 2  # (drafted from the prediction and kept)
-    assert right.stats.steps < len(plain.tokens) // 2
+    assert right.token_ids == plain.token_ids
+    assert right.stats.accepted_tokens >= len(plain.token_ids) // 2  # (drafted from the prediction and kept)
+    assert right.stats.steps < len(plain.token_ids) // 2
     for prediction in (CODE, "Nothing like the answer at all.", ""):
-        assert generate(model, ASK, chat=True, max_new_tokens=80, prediction=prediction).tokens == plain.tokens
+        assert generate(model, ASK, chat=True, max_new_tokens=80, prediction=prediction).token_ids == plain.token_ids
     with pytest.raises(ConfigError, match="prediction: token ids must be integers"):
         generate(model, ASK, chat=True, max_new_tokens=4, prediction=[-1])

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from assistgen.api import stream
 from assistgen.backends.embedded import EMBEDDED, SPEECH, ModelLoadError, is_installed
@@ -55,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--suffix", action="store_true",
                      help="suffix drafting: the longest earlier match of the text's tail, continued by what most "
                           "often followed it (no second model)")
+    gen.add_argument("--prediction", metavar="FILE",
+                     help="Predicted Outputs: a file holding text the output is expected to repeat in large part (the "
+                          "file being edited), drafted from where the output lines up with it; the output is the same")
     gen.add_argument("--ngram-cache", action="store_true",
                      help="draft from n-grams of earlier requests in this process, and of this one")
     drafter = gen.add_mutually_exclusive_group()
@@ -176,12 +180,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     template = chat_template_text(args)
     if template is not None and not args.chat:
         raise ConfigError("--chat-template is the template --chat wraps the prompt in: add --chat.")
+    prediction = read_prediction(args.prediction)
     target, assistant = load_target_and_assistant(args)
     if template is not None:
         use_chat_template(target, template)
     last, logprobs = None, []
     for chunk in stream(target, prompt, assistant=assistant, lookup=args.lookup, suffix=args.suffix,
-                        schedule=args.schedule,
+                        schedule=args.schedule, prediction=prediction,
                         chat=args.chat, early_exit=args.early_exit or False, ngram_cache=args.ngram_cache,
                         **settings_from(args)):
         sys.stdout.write(chunk.text)
@@ -195,6 +200,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print("\n--- statistics ---", file=sys.stderr)
         print(last.stats.summary(), file=sys.stderr)
     return 0
+
+
+def read_prediction(path: str | None) -> str | None:
+    """--prediction's text, read before any model loads."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--prediction {path}: cannot read it as UTF-8 text ({e}); give a text file.") from e
 
 
 def print_logprobs(tokenizer, logprobs) -> None:

@@ -4,7 +4,9 @@ Contract: `PredictionDrafter(Prediction(tokens, prompt_length))` runs no model a
 probabilities: the continuation of the predicted tokens from where the output lines up with them
 (`aligned_continuation`). Before the output has a token the draft is the prediction's start; after, it is what
 follows the occurrence in the prediction of the output's longest tail (at most `max_depth` tokens), among equally
-long ones the first at or after where the last draft began (else the nearest before it): after an insertion the
+long ones the first at or after the cursor (else the nearest before it), where the last draft began; past the
+output's first token a draft needs at least `CONFIRM` tokens lined up (one common token, a newline, is no evidence
+of where the output is): after an insertion the
 output's tail lines up again as soon as it repeats predicted text, after a deletion at the next predicted text it
 writes. Only the output is aligned, never the prompt (which often holds the same text). Each draft names its source
 by the matched length in powers of two ("prediction:0" at the start, "prediction:8" for 8..15 tokens), so that the
@@ -25,6 +27,7 @@ from assistgen.spec.drafts import Draft, Drafter
 from assistgen.spec.sampling import Sampler
 
 PRIOR = 0.8  # the acceptance assumed before any draft from a prediction is verified
+CONFIRM = 2  # the output's last tokens that must line up with the prediction to move the cursor there
 
 
 @dataclass(frozen=True)
@@ -45,13 +48,13 @@ class PredictionDrafter(Drafter):
         self.prediction = prediction
         self.tokens = np.asarray(prediction.tokens, dtype=np.int64)  # [p]
         self.max_depth = max_depth
-        self.cursor = 0  # where in the prediction the last draft began
+        self.cursor = 0  # where in the prediction the output was last seen to line up
 
     def propose(self, ids: list[int], k: int, sampler: Sampler, min_confidence: float = 0.0) -> Draft:
         output = np.asarray(ids[self.prediction.prompt_length:], dtype=np.int64)  # [o]
         start, matched = aligned_continuation(self.tokens, output, self.cursor, self.max_depth)
-        if start is None or start >= len(self.tokens) or k <= 0:
-            return Draft()
+        if start is None or start >= len(self.tokens) or k <= 0 or (matched < CONFIRM and len(output) > 1):
+            return Draft()  # (past the output's first token, one common token is no evidence: a newline, a brace)
         self.cursor = start
         return Draft(tokens=[int(t) for t in self.tokens[start:start + k]],
                      source=f"prediction:{0 if matched == 0 else 1 << (matched.bit_length() - 1)}")
