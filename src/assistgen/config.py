@@ -60,6 +60,18 @@ class GenerationConfig:
     # its audio's); None: max_new_tokens. A hint only: one-off costs of a drafter (its catch-up, its start-up) are
     # priced against it; the generation still stops at max_new_tokens, an end token or a stop string.
     expected_new_tokens: int | None = None
+    # The sampling set's history-dependent fields (`core/processing.py`: applied at every verified position as plain
+    # decoding applies them there) and min-p (`spec.sampling`):
+    frequency_penalty: float = 0.0  # OpenAI's: a token's logit less this times its count in the output so far
+    presence_penalty: float = 0.0  # OpenAI's: less this once it has occurred in the output
+    repetition_penalty: float = 1.0  # HF's and vLLM's: a logit of a token in the prompt or output divided (> 0)
+    # or multiplied (< 0) by this
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs added to the logits
+    min_p: float = 0.0  # after temperature, tokens below this times the likeliest one's probability are dropped
+    min_tokens: int = 0  # the end tokens are forbidden until this many new tokens
+    ignore_eos: bool = False  # an end token does not end the generation (it is emitted and decoding goes on)
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never generated (the last token forbidden after
+    # the others)
 
     @property
     def greedy(self) -> bool:
@@ -103,6 +115,7 @@ class GenerationConfig:
                                                      or not isinstance(self.expected_new_tokens, int)
                                                      or self.expected_new_tokens < 1):
             raise ConfigError(f"expected_new_tokens must be None or an integer >= 1, got {self.expected_new_tokens!r}.")
+        self.validate_processing()
         if self.structure is not None:
             if not isinstance(self.structure, Structure) or self.structure.kind not in STRUCTURES:
                 raise ConfigError(f"structure must be a Structure whose kind is one of {', '.join(STRUCTURES)}, "
@@ -111,3 +124,40 @@ class GenerationConfig:
             if self.structure.kind != "json_object" and not (isinstance(spec, str) and spec):
                 raise ConfigError(f"a {self.structure.kind} structure needs its text in `spec`.")
         return self
+
+    def validate_processing(self) -> None:
+        """The sampling set's ranges: OpenAI's for its fields (penalties in [-2, 2], biases in [-100, 100]), vLLM's
+        for its extensions."""
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not is_number(value) or not -2.0 <= value <= 2.0:
+                raise ConfigError(f"{name} must be a number from -2 to 2 (0: none), got {value!r}.")
+        if not is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty < math.inf:
+            raise ConfigError(f"repetition_penalty must be a number above 0 (1: none), got "
+                              f"{self.repetition_penalty!r}.")
+        if not is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ConfigError(f"min_p must be a number from 0 to 1 (0: none), got {self.min_p!r}.")
+        if not is_count(self.min_tokens) or self.min_tokens > self.max_new_tokens:
+            raise ConfigError(f"min_tokens must be an integer from 0 to max_new_tokens ({self.max_new_tokens}), got "
+                              f"{self.min_tokens!r}.")
+        if not isinstance(self.ignore_eos, bool):
+            raise ConfigError(f"ignore_eos must be true or false, got {self.ignore_eos!r}.")
+        if self.ignore_eos and self.structure is not None:
+            raise ConfigError("ignore_eos cannot go with a structure: a finished structure allows only the end token; "
+                              "drop one of them.")
+        for pair in self.logit_bias:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and is_count(pair[0]) and is_number(pair[1])
+                    and -100.0 <= pair[1] <= 100.0):
+                raise ConfigError(f"logit_bias maps token ids (integers >= 0) to biases from -100 to 100, got "
+                                  f"{pair!r}.")
+        for word in self.bad_words:
+            if not (isinstance(word, tuple) and word and all(is_count(t) for t in word)):
+                raise ConfigError(f"bad_words are non-empty sequences of token ids, got {word!r}.")
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -202,11 +202,9 @@ def test_fields_the_server_does_not_do_are_refused_by_name_unless_off(live):
     CHAT_ONLY = set(ChatRequest.model_fields) - set(CompletionRequest.model_fields)
     COMPLETION_ONLY = set(CompletionRequest.model_fields) - set(ChatRequest.model_fields)
 
-    asks = {"repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 4, "ignore_eos": True, "use_beam_search": True,
-            "length_penalty": 0.5, "guided_choice": ["a", "b"], "bad_words": ["x"], "prompt_logprobs": 1,
-            "functions": [{"name": "f"}], "function_call": "auto",
-            "frequency_penalty": 0.5, "presence_penalty": 1, "logit_bias": {"50": 5}, "best_of": 2, "suffix": "x",
-            "audio": {"voice": "alloy"}, "modalities": ["text", "audio"], "prediction": {"type": "content"},
+    asks = {"use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1,
+            "functions": [{"name": "f"}], "function_call": "auto", "best_of": 2, "suffix": "x",
+            "audio": {"voice": "alloy"}, "modalities": ["text", "audio"],
             "reasoning_effort": "high", "web_search_options": {}, "store": True, "service_tier": "flex"}
     assert set(asks) == set(REFUSED)
     chat = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
@@ -416,7 +414,10 @@ ASKING = {
     "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "[0-9]+"}, "prompt": "Hi",
     "echo": True, "logprobs": 2, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 3,
     "metadata": {"k": "v"}, "top_logprobs": 2, "guided_json": {"type": "object"}, "guided_regex": "[0-9]+",
-    "guided_grammar": 'root ::= "ok"',
+    "guided_grammar": 'root ::= "ok"', "guided_choice": ["yes", "no"],
+    "prediction": {"type": "content", "content": "Hi"},
+    "frequency_penalty": 0.5, "presence_penalty": 0.5, "logit_bias": {"50": 5}, "repetition_penalty": 1.2,
+    "min_p": 0.1, "min_tokens": 2, "ignore_eos": True, "bad_words": ["x"],
 }
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # sent to a server whose template renders tools:
 # tests/chat/test_tools.py (SmolLM2's own template renders none)
@@ -428,6 +429,7 @@ EFFECT = {  # what a reply shows for a field that is honoured (choice -> bool)
     "top_logprobs": lambda c: len(c["logprobs"]["content"][0]["top_logprobs"]) == 2,
     "guided_regex": lambda c: (c.get("text") or c.get("message", {}).get("content", "")).isdigit(),
     "guided_grammar": lambda c: (c.get("text") or c.get("message", {}).get("content", "")) == "ok",
+    "guided_choice": lambda c: (c.get("text") or c.get("message", {}).get("content", "")) in ("yes", "no"),
 }
 
 

@@ -57,10 +57,15 @@ def predicted(model: LanguageModel, prediction: str | list[int] | None, prompt_l
 
 def generation_config(settings: dict) -> GenerationConfig:
     """The `GenerationConfig` of `generate`'s keyword settings (`json_schema=` as a structure, one stop string as
-    itself, not its characters); an unknown setting is a ConfigError listing the known ones."""
+    itself, not its characters, `logit_bias` as a dict {token id: bias} too, `bad_words` as lists of token ids);
+    an unknown setting is a ConfigError listing the known ones."""
     settings = dict(settings)
     if "json_schema" in settings:
         settings["structure"] = json_schema_structure(settings.pop("json_schema"))
+    if isinstance(settings.get("logit_bias"), dict):
+        settings["logit_bias"] = tuple(settings["logit_bias"].items())
+    if isinstance(settings.get("bad_words"), (list, tuple)):
+        settings["bad_words"] = tuple(tuple(w) if isinstance(w, (list, tuple)) else w for w in settings["bad_words"])
     try:
         if isinstance(settings.get("stop"), str):
             settings["stop"] = (settings["stop"],)  # one stop string, not its characters

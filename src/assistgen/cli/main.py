@@ -27,6 +27,7 @@ from assistgen.cli.options import (
     add_model,
     add_placement,
     add_quantize,
+    add_sampling_set,
     add_structure,
     fast_linear,
     load_settings,
@@ -35,6 +36,7 @@ from assistgen.cli.options import (
 )
 from assistgen.cli.schedule import parse_schedule
 from assistgen.config import ConfigError
+from assistgen.core.processing import banned_sequences
 
 
 def schedule_argument(text: str):
@@ -80,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat-template", metavar="FILE",
                      help="a Jinja chat template to use instead of the model's own (with --chat)")
     add_structure(gen)
+    add_sampling_set(gen)
     gen.add_argument("--logprobs", type=int, metavar="N",
                      help="print each token's log-probability and its N most likely alternatives (on stderr)")
     gen.add_argument("--no-fast-linear", action="store_true", help="keep PyTorch's own linear layers")
@@ -187,6 +190,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     last, logprobs = None, []
     for chunk in stream(target, prompt, assistant=assistant, lookup=args.lookup, suffix=args.suffix,
                         schedule=args.schedule, prediction=prediction,
+                        **({"bad_words": banned_sequences(target.tokenizer, args.bad_word)} if args.bad_word else {}),
                         chat=args.chat, early_exit=args.early_exit or False, ngram_cache=args.ngram_cache,
                         **settings_from(args)):
         sys.stdout.write(chunk.text)

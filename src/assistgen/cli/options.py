@@ -201,7 +201,40 @@ def settings_from(args: argparse.Namespace) -> dict:
         out["structure"] = structure
     if getattr(args, "logprobs", None) is not None:
         out["logprobs"] = args.logprobs
+    for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "min_tokens"):
+        if getattr(args, name, None) is not None:
+            out[name] = getattr(args, name)
+    if getattr(args, "ignore_eos", False):
+        out["ignore_eos"] = True
+    if getattr(args, "logit_bias", None):
+        out["logit_bias"] = tuple(args.logit_bias)
     return out
+
+
+def add_sampling_set(p: argparse.ArgumentParser) -> None:
+    """The sampling set beyond temperature, top-k and top-p (`core/processing.py`)."""
+    p.add_argument("--frequency-penalty", type=float, help="a token's logit less this times its count so far "
+                   "(-2 to 2; OpenAI's)")
+    p.add_argument("--presence-penalty", type=float, help="a token's logit less this once it occurred (-2 to 2)")
+    p.add_argument("--repetition-penalty", type=float,
+                   help="logits of tokens in the prompt or output divided (or, negative, multiplied) by this (> 0)")
+    p.add_argument("--min-p", type=float, help="drop tokens below this times the likeliest one's probability")
+    p.add_argument("--min-tokens", type=int, help="no end token before this many new tokens")
+    p.add_argument("--ignore-eos", action="store_true", help="an end token does not end the generation")
+    p.add_argument("--logit-bias", type=logit_bias_argument, action="append", metavar="TOKEN=BIAS",
+                   help="add BIAS (-100 to 100) to token id TOKEN's logit (repeatable)")
+    p.add_argument("--bad-word", action="append", metavar="TEXT",
+                   help="never generate this text's tokens (alone or after a space; repeatable)")
+
+
+def logit_bias_argument(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give TOKEN=BIAS (a token id and a number), got {text!r}") from None
 
 
 def add_structure(p: argparse.ArgumentParser) -> None:

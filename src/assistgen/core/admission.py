@@ -48,9 +48,19 @@ def admit(target: LanguageModel, prompt_ids: list[int], config: GenerationConfig
     bound of its own); raises PromptError (the prompt) or ConfigError (a structure that does not compile)."""
     context = context_limit(target, drafter_context)
     check_prompt(prompt_ids, target, context)
+    check_token_ids(config, target.vocab_size)
     eos = frozenset(config.eos_token_ids if config.eos_token_ids is not None else target.eos_token_ids)
     grammar = None if config.structure is None else compiled(target, config.structure, eos)
     return Admission(list(prompt_ids), config, context, eos, grammar)
+
+
+def check_token_ids(config: GenerationConfig, vocab: int) -> None:
+    """logit_bias's and bad_words' token ids must be the model's (ConfigError naming the first that is not)."""
+    for name, ids in (("logit_bias", [t for t, _ in config.logit_bias]),
+                      ("bad_words", [t for word in config.bad_words for t in word])):
+        outside = [t for t in ids if t >= vocab]
+        if outside:
+            raise ConfigError(f"{name}: token id {outside[0]} is not in the model's vocabulary (0 to {vocab - 1}).")
 
 
 def context_limit(target: LanguageModel, drafter_context: int | None) -> int:

@@ -49,6 +49,7 @@ from assistgen.core.grammar import GrammarDrafter
 from assistgen.core.logprobs import token_logprobs
 from assistgen.core.plan import Planned, StepPlan
 from assistgen.core.prefix import PrefixCache, give_back, take_for
+from assistgen.core.processing import active, process_rows
 from assistgen.core.state import Chunk, GenerationState
 from assistgen.core.text import TextStream
 from assistgen.core.verify import Verdict, Verification, verify_all
@@ -88,8 +89,10 @@ def begin(target: LanguageModel, prompt_ids: list[int], drafter: Drafter, schedu
                            TextStream(target.tokenizer, config.stop),
                            Stats(mode=drafter.name, prompt_tokens=len(prompt_ids),
                                  cached_tokens=len(cache) if cache is not None else 0,
-                                 exact=target.capabilities.exact), admitted.eos, admitted.context,
-                           cache if cache is not None else target.new_cache(), started, constraint=constraint)
+                                 exact=target.capabilities.exact),
+                           set() if config.ignore_eos else set(admitted.eos), admitted.context,
+                           cache if cache is not None else target.new_cache(), started, constraint=constraint,
+                           ends=admitted.eos)
 
 
 def stream(
@@ -135,7 +138,7 @@ def step(states: list[GenerationState], prefill_budget: int | None = None) -> li
         if s.config.prompt_logprobs is not None:
             record_prompt_logprobs(s, rows, len(ids))
         if len(s.cache) == len(s.ids):  # the prompt is all in: its last row predicts the first token
-            opening.append((s, rows[-1:] if s.constraint is None else first_row_masked(s.constraint, rows[-1:])))
+            opening.append((s, opening_row(s, rows[-1:])))
     fed, rows_in_all = len(decoding) + len(prefill), sum(len(ids) for _, ids, _ in feeds)
     costs = plan.costs if plan.costs is not None or fed == 1 else known_costs(target)  # (fixed rules only: the
     # target's own costs, as the book holds them, share out the step's time; a step never measures)
@@ -147,8 +150,7 @@ def step(states: list[GenerationState], prefill_budget: int | None = None) -> li
             others = [r[len(r) - len(a.proposal.draft.tokens) - 1:] for a, r in zip(p.alternatives, other_logits,
                                                                                     strict=False)]
             p, rows, lost, switched = keep_furthest(p, rows, others)
-        if p.state.constraint is not None:
-            rows = p.state.constraint.mask(rows)
+        rows = processed(p.state, rows, p.proposal.draft.tokens[: p.verified])
         kept.append((p, rows, share, lost, switched))
     verdicts = verify_all([verification(p, rows) for p, rows, *_ in kept]  # one read to the host for the step
                           + [Verification(rows, [], s.sampler) for s, rows in opening])
@@ -206,10 +208,23 @@ def record_prompt_logprobs(s: GenerationState, rows, fed: int) -> None:
                                                                    s.config.prompt_logprobs, probabilities=False)
 
 
-def first_row_masked(constraint: Constraint, row):
-    """row [1, vocab] of the prompt's last token, -inf where the grammar forbids the first token."""
-    constraint.check([])  # (no draft: the mask of the first row only)
-    return constraint.mask(row)
+def opening_row(s: GenerationState, row):
+    """row [1, vocab] of the prompt's last token, processed as plain decoding processes it (`processing`), -inf where
+    the grammar forbids the first token."""
+    if active(s.config):
+        row = process_rows(row, s.config, s.prompt, s.output, [], s.ends)
+    if s.constraint is None:
+        return row
+    s.constraint.check([])  # (no draft: the mask of the first row only)
+    return s.constraint.mask(row)
+
+
+def processed(s: GenerationState, rows, draft: list[int]):
+    """A decoding generation's rows [n+1, vocab] (row i after its output and draft[:i]) processed as plain decoding
+    processes each position (`processing`), then masked by its grammar."""
+    if active(s.config):
+        rows = process_rows(rows, s.config, s.prompt, s.output, draft, s.ends)
+    return rows if s.constraint is None else s.constraint.mask(rows)
 
 
 def draft_for(s: GenerationState) -> Planned:

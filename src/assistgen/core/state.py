@@ -44,13 +44,22 @@ class GenerationState:
     sampler: Sampler
     text: TextStream
     stats: Stats
-    eos: set[int]
+    eos: set[int]  # the tokens that end it (none under ignore_eos)
     context: int  # the longest the sequence may grow
     cache: Cache
     started: float
     finish: str | None = None
     constraint: Constraint | None = None  # the grammar the output follows (config.structure), or None
     prompt_logprobs: list[TokenLogprob] | None = None  # filled by the prefill when the config asks for them
+    ends: frozenset[int] = frozenset()  # the model's end tokens, which min_tokens forbids early (ignore_eos or not)
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.ids[: self.stats.prompt_tokens]
+
+    @property
+    def output(self) -> list[int]:
+        return self.ids[self.stats.prompt_tokens:]
 
     @property
     def prefilling(self) -> bool:

@@ -155,8 +155,8 @@ def submit(state: AppState, body: Sampling, prompts: list[list[int]], http: HTTP
     queued. `calls`: the structure tool calls follow; `param`: the field the prompts came in; `public`: how many of
     each prompt's first tokens its chat template renders from no content (`chat.templates.template_prefix`);
     `predicted`: the predicted output's tokens (Predicted Outputs), drafted from by each prompt's drafter."""
-    configs = [generation_config(body, state.settings.max_tokens_limit, state.context - len(ids), calls)
-               for ids in prompts]
+    configs = [generation_config(body, state.settings.max_tokens_limit, state.context - len(ids), calls,
+                                 state.engine.target.tokenizer) for ids in prompts]
     if state.closing:
         raise APIError(503, "The server is shutting down.", "service_unavailable")
     key, started = api_key(http), time.perf_counter()

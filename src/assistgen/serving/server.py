@@ -220,13 +220,13 @@ def create_app(engine: BatchEngine, settings: ServerSettings, make_drafter: Call
                speech: SpeechService | None = None) -> FastAPI:
     """The app serving `engine`'s model as `settings.model_name`, and `speech` (if given) for transcriptions.
 
-    `make_drafter(ngram_cache=...)` gives a fresh drafter drawing on that n-gram cache; it is needed only
-    with `settings.ngram_cache` (without it every request gets the engine's own drafter).
+    `make_drafter(ngram_cache=..., prediction=...)` gives a fresh drafter drawing on that n-gram cache, or on a
+    request's predicted output; it is needed with `settings.ngram_cache` (without it, the engine's own factory).
     """
     if (settings.ngram_cache or settings.suffix) and make_drafter is None:
         raise ConfigError("ngram_cache and suffix need make_drafter(ngram_cache=..., suffix=...) to give each API key "
                           "its own.")
-    state = AppState(engine, settings, make_drafter, engine.context, Metrics(engine), speech)
+    state = AppState(engine, settings, make_drafter or engine.make_drafter, engine.context, Metrics(engine), speech)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

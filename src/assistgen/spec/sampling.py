@@ -1,4 +1,4 @@
-"""Turning logits into tokens: the processed distribution (temperature, top-k, top-p) and seeded draws.
+"""Turning logits into tokens: the processed distribution (temperature, min-p, top-k, top-p) and seeded draws.
 
 Contract: a `Sampler` per generation, made from its `GenerationConfig`; `probs(logits [n, vocab])` gives the
 processed probabilities [n, vocab] (float32), `draw` and `uniform` draw with seeded `torch.Generator`s. Draws
@@ -9,13 +9,16 @@ generations (`greedy`) never draw: the loop takes the argmax.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from assistgen.config import GenerationConfig
 
 
 class Sampler:
-    """Applies temperature, top-k and top-p and draws tokens with seeded generators (one per device)."""
+    """Applies temperature, min-p, top-k and top-p (in vLLM's order) and draws tokens with seeded generators (one per
+    device)."""
 
     def __init__(self, config: GenerationConfig):
         self.config = config
@@ -43,6 +46,8 @@ class Sampler:
         # 0 / 0 for a temperature that is 0 in float32).
         temperature = max(self.config.temperature, torch.finfo(torch.float32).tiny)
         logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+        if self.config.min_p > 0.0:  # (each row's max is 0 now: a token's probability over the likeliest's is exp)
+            logits = logits.masked_fill(logits < math.log(self.config.min_p), float("-inf"))
         if self.config.top_k > 0:
             k = min(self.config.top_k, logits.shape[-1])
             kth = torch.topk(logits, k, dim=-1).values[..., -1:]

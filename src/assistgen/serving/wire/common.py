@@ -38,9 +38,6 @@ class StreamOptions(BaseModel):
 REFUSED: dict[str, tuple[tuple, str]] = {
     "functions": ((None, []), "functions (deprecated by OpenAI) is not supported: give tools instead."),
     "function_call": ((None, "none"), "function_call (deprecated by OpenAI) is not supported: give tool_choice."),
-    "frequency_penalty": ((None, 0, 0.0), "penalties are not supported: leave it at 0."),
-    "presence_penalty": ((None, 0, 0.0), "penalties are not supported: leave it at 0."),
-    "logit_bias": ((None, {}), "logit_bias is not supported."),
     "best_of": ((None, 1), "best_of must be 1."),
     "suffix": ((None, ""), "suffix (insertion) is not supported."),
     "audio": ((None,), "audio output is not supported."),
@@ -50,14 +47,8 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "store": ((None, False), "nothing is stored by this server."),
     "service_tier": ((None, "auto", "default"), "this server has one service tier."),
     # other servers' extensions that change the output (vLLM's sampling parameters): refused, not ignored
-    "repetition_penalty": ((None, 1, 1.0), "repetition penalties are not supported: leave it at 1."),
-    "min_p": ((None, 0, 0.0), "min_p is not supported: use top_p or top_k."),
-    "min_tokens": ((None, 0), "min_tokens is not supported."),
-    "ignore_eos": ((None, False), "ignore_eos is not supported."),
     "use_beam_search": ((None, False), "beam search is not supported."),
     "length_penalty": ((None, 1, 1.0), "length_penalty (beam search) is not supported."),
-    "guided_choice": ((None,), "guided_choice is not supported: use guided_regex or a json_schema with an enum."),
-    "bad_words": ((None, []), "bad_words is not supported."),
     "prompt_logprobs": ((None,), "prompt_logprobs is not supported: use completions with echo and logprobs."),
 }
 # Fields that change nothing in a reply by OpenAI's own definition, accepted as they are.
@@ -93,8 +84,8 @@ class Sampling(BaseModel):
     length_penalty: Any = None
     guided_choice: Any = None
     bad_words: Any = None
-    prompt_logprobs: Any = None
-    # refused unless "off" (REFUSED): typed loosely so that the 400 names the field, whatever was sent
+    prompt_logprobs: Any = None  # refused unless "off" (REFUSED)
+    # the sampling set (`generation.processing_settings`): typed loosely so that a bad value's 400 names the field
     frequency_penalty: Any = None
     presence_penalty: Any = None
     logit_bias: Any = None

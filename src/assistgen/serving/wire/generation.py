@@ -3,7 +3,9 @@
 Contract: `generation_config` turns a body (`common.Sampling`) into the library's `GenerationConfig` for one prompt:
 new tokens bounded by the room the prompt leaves in the context and by the server's limit, the structure its tool
 calls follow or the one `structure_of` reads from `response_format`, `structured_outputs` or vLLM's guided_* fields
-(one of them); a setting the library refuses is a 400 naming the API's field.
+(one of them; `guided_choice`, a list of strings, as a regex of their alternation), the sampling set
+(`processing_settings`: penalties, `logit_bias` with token ids as string keys, `min_p`, `min_tokens`, `ignore_eos`,
+`bad_words` tokenized as vLLM bans them); a setting the library refuses is a 400 naming the API's field.
 """
 
 from __future__ import annotations
@@ -11,17 +13,19 @@ from __future__ import annotations
 import json
 
 from assistgen.config import ConfigError, GenerationConfig, Structure
+from assistgen.core.processing import banned_sequences
 from assistgen.serving.wire.common import MAX_STOP, Sampling
 from assistgen.serving.wire.errors import APIError
 
 
 def generation_config(body: Sampling, limit: int | None, room: int,
-                      calls: Structure | None = None) -> GenerationConfig:
+                      calls: Structure | None = None, tokenizer=None) -> GenerationConfig:
     """The body's GenerationConfig for a prompt that leaves `room` positions of the context: asked-for new tokens
     above `limit` (the server's) or `room` are a 400; none asked for: up to `room`, within `limit` (a prompt that
     leaves no room is refused by the engine's admission, naming the prompt); `calls`:
-    the structure its tool calls follow (`chat.grammar.call_structure`), which excludes a response format. (The
-    endpoints call `refuse_unsupported` first.)"""
+    the structure its tool calls follow (`chat.grammar.call_structure`), which excludes a response format;
+    `tokenizer`: the model's, which `bad_words` are tokenized with. (The endpoints call `refuse_unsupported`
+    first.)"""
     if body.n not in (None, 1):
         raise APIError(400, f"n must be 1 (one choice per prompt), got {body.n}.", param="n")
     asked = body.new_tokens()
@@ -38,7 +42,7 @@ def generation_config(body: Sampling, limit: int | None, room: int,
         raise APIError(400, "tools and a response format both constrain the output: give one, or tool_choice "
                        '"none".', param="tool_choice")
     settings.update(logprobs=body.asked_logprobs(), prompt_logprobs=body.asked_prompt_logprobs(),
-                    structure=structure or calls)
+                    structure=structure or calls, **processing_settings(body, tokenizer))
     if asked is None:  # (as OpenAI and vLLM: up to the end of the context, within the server's limit)
         bound = min(room, limit) if limit is not None else room
         settings["max_new_tokens"] = max(1, bound)
@@ -56,7 +60,36 @@ def generation_config(body: Sampling, limit: int | None, room: int,
         raise APIError(400, message, param=param) from e
 
 
-GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar"}  # vLLM's older names
+PROCESSING = ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "min_tokens", "ignore_eos")
+
+
+def processing_settings(body: Sampling, tokenizer) -> dict:
+    """The sampling set as GenerationConfig's fields (whose ranges it checks): `logit_bias` {"token id": bias} as
+    (id, bias) pairs; `bad_words` each tokenized alone and after a space (a word at the start and inside the text),
+    as vLLM bans them."""
+    out = {name: getattr(body, name) for name in PROCESSING if getattr(body, name) is not None}
+    if body.logit_bias:  # (None or {}: none)
+        if not isinstance(body.logit_bias, dict):
+            raise APIError(400, "logit_bias: give an object mapping token ids (as strings) to biases from -100 to "
+                           "100.", param="logit_bias")
+        pairs = []
+        for key, bias in body.logit_bias.items():
+            if not (isinstance(key, str) and key.isdigit()):
+                raise APIError(400, f"logit_bias: {key!r} is not a token id; its keys are token ids as strings, "
+                               'e.g. {"1234": -100}.', param="logit_bias")
+            pairs.append((int(key), bias))
+        out["logit_bias"] = tuple(pairs)
+    if body.bad_words:  # (None or []: none)
+        words = body.bad_words
+        if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise APIError(400, "bad_words: give a list of non-empty strings.", param="bad_words")
+        out["bad_words"] = banned_sequences(tokenizer, words)
+    return out
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar",
+          "guided_choice": "choice"}  # vLLM's older names
+REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~")
 
 
 def structure_of(body: Sampling) -> Structure | None:
@@ -102,7 +135,14 @@ def extension_structure(extension) -> Structure:
 
 
 def structure_value(kind: str, value, param: str) -> Structure:
-    """json (a schema object or its text), regex or grammar (a non-empty string) as a Structure; else a 400."""
+    """json (a schema object or its text), regex or grammar (a non-empty string), choice (a list of strings: one of
+    them, exactly) as a Structure; else a 400."""
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise APIError(400, f"{param}: give a list of non-empty strings, the output being exactly one of them.",
+                           param=param)
+        escaped = ["".join("\\" + ch if ch in REGEX_SPECIAL else ch for ch in choice) for choice in value]
+        return Structure("regex", "(" + "|".join(escaped) + ")")
     if kind == "json":
         if not isinstance(value, (dict, str)) or not value:
             raise APIError(400, f"{param}: give a JSON schema object.", param=param)
