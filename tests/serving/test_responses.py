@@ -226,7 +226,7 @@ def test_unsupported_and_malformed_fields_are_400s_naming_the_field(server):
                  "tz": {"type": "string", "pattern": "(unclosed"}}}}]}, "tools.0.parameters",
               "does not compile"),
              ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0", "call_id"),
-             ({"frequency_penalty": 1}, "frequency_penalty", "penalties"),
+             ({"frequency_penalty": 3}, "frequency_penalty", "from -2 to 2"),
              ({"model": "other"}, "model", "does not exist")]
     with httpx.Client(timeout=60) as http:
         for extra, param, words in cases:
