@@ -46,7 +46,7 @@ def server_command(args, config: str, port: int) -> list[str]:
                 "-t", str(args.threads), "-c", str(args.context), "-np", "1", "--jinja", "--temp", "0",
                 *LLAMA_SERVER[config]]
     return [sys.executable, "-m", "assistgen.cli.main", "serve", "--model", args.model, "--port", str(port),
-            "--backend", args.backend, *ASSISTGEN[config]]
+            "--backend", args.backend, "--context", str(args.context), *ASSISTGEN[config]]
 
 
 def ask(client: openai.OpenAI, model: str, text: str, max_tokens: int, prediction: str | None) -> dict:
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                         default=["plain", "prediction", "prediction-lookup"])
     parser.add_argument("--llama-server", help="llama.cpp's llama-server binary (the llama* configs)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama-server -t")
-    parser.add_argument("--context", type=int, default=8192, help="llama-server -c")
+    parser.add_argument("--context", type=int, default=8192, help="the context of each server (llama-server's -c)")
     parser.add_argument("--max-tokens", type=int, default=3072)
     args = parser.parse_args(argv)
     cases = [c for c in json.loads(Path(args.cases).read_text())["cases"] if not args.only or c["name"] in args.only]

@@ -643,6 +643,23 @@ def test_one_fit_tells_a_fixed_cost_per_pass_from_a_machine_uniformly_slower():
     assert still.fixed() == pytest.approx(11.0)
 
 
+def test_wide_passes_whose_times_tilt_the_line_never_make_a_plain_step_free():
+    """Passes that are all wide (long copies verified one after another) with noisy times can tilt the fitted line
+    so far that it crosses zero above one row. A plain step then cost nothing, and a drafter's cost per token (its
+    seconds over that unit) a million steps: copying stopped for the rest of the generation (seen on a 2,700-token
+    prompt). No pass has a negative fixed cost, so the line goes through the origin instead."""
+    from assistgen.policy.online import OnlineCosts
+
+    seconds = [0.05 * (1 + 0.3 * k) for k in range(65)]
+    measured = PassCosts.of({"step_seconds": seconds[:17], "verification_costs": [t / seconds[0] for t in seconds],
+                             "wide_rows": [], "wide_costs": [], "sequence_cost": 0.0, "batch_row_cost": 0.0})
+    online = OnlineCosts(measured)
+    for k, t in [(0, 0.05)] + [(48, 0.50), (64, 1.30), (56, 0.70), (64, 1.25), (60, 1.10)] * 3:
+        online.observe((1, 1, k), t)
+    assert online.fit()[0] >= 0.0
+    assert 0.02 < online.unit_s() < 0.1  # (about a plain step's 0.05 s, not 1e-12)
+
+
 def test_a_positions_first_observation_starts_from_what_was_estimated_for_it():
     acceptance = Acceptance(0.5, 0.2, 4)
     for _ in range(20):  # only first tokens verified so far, all of them right

@@ -6,7 +6,9 @@ Contract: `OnlineCosts(measured, decay)` follows a generation's passes (`observe
 fitted by least squares over the recent passes (each older one weighing `decay` times less), its slope b drawn
 towards the measured plain-step time t(1) with the weight of one row's spread (`ridge`): while the passes' rows do
 not spread, the fit reads the passes' extra time as a fixed cost per pass (a = mean t - t(1) mean x); once they do,
-the slope is the passes' own (a pass that also costs more per row than measured is priced so). Then
+the slope is the passes' own (a pass that also costs more per row than measured is priced so). A fixed cost is never
+negative: where the line would cross zero above one row (recent passes all wide, their noise tilting it), it is
+fitted through the origin. Then
     unit_s()    the time of a plain step now (a + b), in which drafters' times are counted;
     fixed()     the fixed cost per pass beyond one plain step's worth, in steps of b (f = max(0, a / b - 1));
                 below that the measured curve stands (noise, or a machine uniformly slower, changes no choice);
@@ -69,7 +71,11 @@ class OnlineCosts:
             else:
                 lam = w * self.ridge
                 b = max(1e-3 * t1, (sxt + lam * t1) / (max(0.0, sxx) + lam)) if sxx + lam > 0 else t1
-                self._fit = (mt - b * mx, b)
+                a = mt - b * mx
+                if a < 0:  # (no pass has a negative fixed cost: wide passes' noise tilted the line, whose value at
+                    # few rows would fall below 0, even below 0 at one: fitted through the origin instead, t = b x)
+                    a, b = 0.0, max(1e-3 * t1, (xt + lam * t1) / (xx + lam))
+                self._fit = (a, b)
         return self._fit
 
     def unit_s(self) -> float | None:
