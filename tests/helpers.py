@@ -561,3 +561,35 @@ def final_reasons(outs: list[dict]) -> list[str]:
         assert len(last) == 1, out["events"][-3:]
         reasons.append(last[0])
     return reasons
+
+
+def sigterm_mid_streams(process, url: str, model: str, late_after: float | None, wait: float) -> list[str]:
+    """Three streams of LONG (two running, one waiting under --max-batch 2), SIGTERM once two have begun; with
+    `late_after`, a request sent that many seconds later must be 503. Asserts the exit status is 0 and every stream
+    ended well (`final_reasons`), which it returns; the process is killed if it is still alive."""
+    import signal
+    import threading
+    import time
+
+    import httpx
+
+    try:
+        outs = [{} for _ in range(3)]
+        firsts = [threading.Event() for _ in outs]
+        threads = [threading.Thread(target=read_stream, args=(url, model, 300, out, first))
+                   for out, first in zip(outs, firsts, strict=True)]
+        for thread in threads:
+            thread.start()
+        assert firsts[0].wait(wait) and firsts[1].wait(wait)
+        process.send_signal(signal.SIGTERM)
+        if late_after is not None:
+            time.sleep(late_after)
+            late = httpx.post(f"{url}/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2}, timeout=30)
+            assert late.status_code == 503 and late.json()["error"]["type"] == "service_unavailable"
+        for thread in threads:
+            thread.join(wait + 60)
+        assert process.wait(wait + 60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return final_reasons(outs)  # every stream: one final chunk, then [DONE]

@@ -4,13 +4,8 @@ real command, spoken to over HTTP; no mocks."""
 
 from __future__ import annotations
 
-import signal
-import threading
-import time
-
-import httpx
 import pytest
-from helpers import final_reasons, read_stream, start_serve_command
+from helpers import sigterm_mid_streams, start_serve_command
 
 pytestmark = pytest.mark.integration
 
@@ -20,27 +15,9 @@ NAME = "smollm2-135m"
 @pytest.mark.parametrize("grace", [0.0, 60.0], ids=["grace-over", "grace-enough"])
 def test_sigterm_mid_stream_ends_every_stream_well_and_exits_0(grace):
     process, port = start_serve_command("--model", NAME, "--max-batch", "2", "--shutdown-grace", str(grace))
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        outs = [{} for _ in range(3)]  # two running, one waiting (--max-batch 2)
-        firsts = [threading.Event() for _ in outs]
-        threads = [threading.Thread(target=read_stream, args=(url, NAME, 300, out, first))
-                   for out, first in zip(outs, firsts, strict=True)]
-        for thread in threads:
-            thread.start()
-        assert firsts[0].wait(60) and firsts[1].wait(60)
-        process.send_signal(signal.SIGTERM)
-        if grace:  # (with none, the server stops listening at once)
-            time.sleep(0.3)
-            late = httpx.post(f"{url}/completions", json={"model": NAME, "prompt": "Hi", "max_tokens": 2}, timeout=30)
-            assert late.status_code == 503 and late.json()["error"]["type"] == "service_unavailable"
-        for thread in threads:
-            thread.join(120)
-        assert process.wait(120) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-    reasons = final_reasons(outs)  # every stream: one final chunk, then [DONE]
+    # (with no grace the server stops listening at once: no request is sent during the drain)
+    reasons = sigterm_mid_streams(process, f"http://127.0.0.1:{port}/v1", NAME, late_after=0.3 if grace else None,
+                                  wait=60)
     if grace:
         assert set(reasons) <= {"stop", "length"}  # each finished within the grace
     else:

@@ -71,7 +71,7 @@ class Gate:
                 break
         chunks = [m.get("body", b"") for m in messages if m["type"] == "http.request"]
         most = limit // BYTES_PER_ITEM
-        if (count := json_items(b"".join(chunks) if len(chunks) > 1 else chunks[0] if chunks else b"", most)) > most:
+        if (count := json_items(b"".join(chunks), most)) > most:
             return await answer(send, 400, too_many_items(count, most))
 
         async def replayed():
