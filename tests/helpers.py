@@ -443,9 +443,9 @@ class Live:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="test", timeout=60, max_retries=0)
 
 
-def start(model, engine_settings=None, name: str = "smollm2-135m", **server_settings) -> Live:
-    """The real app over `model` (prompt lookup) in uvicorn on a free 127.0.0.1 port, in a thread, once it answers
-    /health."""
+def start(model, engine_settings=None, name: str = "smollm2-135m", schedule=None, **server_settings) -> Live:
+    """The real app over `model` (prompt lookup, drafted as `schedule` decides: None, the cost-aware default) in
+    uvicorn on a free 127.0.0.1 port, in a thread, once it answers /health."""
     import socket
     import threading
     import time
@@ -457,7 +457,7 @@ def start(model, engine_settings=None, name: str = "smollm2-135m", **server_sett
     from assistgen.serving.batching import BatchEngine
     from assistgen.serving.server import ServerSettings, create_app
 
-    engine = BatchEngine(model, drafter_factory(model, lookup=True), default_schedule(), engine_settings)
+    engine = BatchEngine(model, drafter_factory(model, lookup=True), schedule or default_schedule(), engine_settings)
     app = create_app(engine, ServerSettings(model_name=name, **server_settings))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))  # a free port, bound before uvicorn starts: no race for it
@@ -593,3 +593,12 @@ def sigterm_mid_streams(process, url: str, model: str, late_after: float | None,
         if process.poll() is None:
             process.kill()
     return final_reasons(outs)  # every stream: one final chunk, then [DONE]
+
+
+def assert_error(response, status: int, param: str | None = None) -> None:
+    """An httpx response is an error of `status` with OpenAI's error body, naming `param` when given."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param

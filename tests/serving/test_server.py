@@ -12,7 +12,7 @@ import openai
 import pytest
 import schemathesis
 import torch
-from helpers import scrape, start, start_serve_command, stop, stop_serve_command
+from helpers import assert_error, scrape, start, start_serve_command, stop, stop_serve_command
 from hypothesis import HealthCheck, given, settings
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -154,20 +154,12 @@ def test_client_disconnect_cancels_the_engine_request(live, stream):
     assert live.client.completions.create(model=NAME, prompt="Hi", max_tokens=1).usage.completion_tokens == 1
 
 
-def assert_error(response: httpx.Response, status: int, param: str | None = None) -> None:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    if param is not None:
-        assert error["param"] == param
-
-
 def test_client_mistakes_are_4xx_with_openai_error_bodies(live):
     url = f"{live.url}/v1/completions"
     with httpx.Client(timeout=30) as http:
         assert_error(http.post(url, content=b"{not json", headers={"content-type": "application/json"}), 400)
         assert_error(http.post(url, json={"model": NAME}), 400, "prompt")
-        assert_error(http.post(url, json={"model": NAME, "prompt": "Hi", "n": 2}), 400, "n")
+        assert_error(http.post(url, json={"model": NAME, "prompt": "Hi", "n": 0}), 400, "n")
         assert_error(http.post(url, json={"model": NAME, "prompt": "Hi", "temperature": -1}), 400, "temperature")
         assert_error(http.post(url, json={"model": NAME, "prompt": "Hi", "max_tokens": 0}), 400, "max_tokens")
         assert_error(http.post(url, json={"model": NAME, "prompt": []}), 400, "prompt")
@@ -203,7 +195,7 @@ def test_fields_the_server_does_not_do_are_refused_by_name_unless_off(live):
     COMPLETION_ONLY = set(CompletionRequest.model_fields) - set(ChatRequest.model_fields)
 
     asks = {"use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1,
-            "functions": [{"name": "f"}], "function_call": "auto", "best_of": 2, "suffix": "x",
+            "functions": [{"name": "f"}], "function_call": "auto", "suffix": "x",
             "audio": {"voice": "alloy"}, "modalities": ["text", "audio"],
             "reasoning_effort": "high", "web_search_options": {}, "store": True, "service_tier": "flex"}
     assert set(asks) == set(REFUSED)
@@ -410,7 +402,7 @@ def test_the_readme_lists_every_request_field():
 # A value that asks for each declared field's feature (the refused ones: see REFUSED's test for every one).
 ASKING = {
     "model": NAME, "max_tokens": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 7, "stop": ["\n\n"],
-    "n": 1, "stream": False, "stream_options": {"include_usage": True}, "user": "u-1",
+    "n": 2, "best_of": 3, "stream": False, "stream_options": {"include_usage": True}, "user": "u-1",
     "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "[0-9]+"}, "prompt": "Hi",
     "echo": True, "logprobs": 2, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 3,
     "metadata": {"k": "v"}, "top_logprobs": 2, "guided_json": {"type": "object"}, "guided_regex": "[0-9]+",

@@ -37,11 +37,11 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from assistgen.backends.base import LanguageModel
+from assistgen.backends.base import Cache, LanguageModel
 from assistgen.config import ConfigError, GenerationConfig
 from assistgen.core.admission import Admission, admit, context_limit
 from assistgen.core.engine import begin, step
-from assistgen.core.prefix import PrefixCache, check_capacity, default_capacity, give_back, take_for
+from assistgen.core.prefix import PrefixCache, check_capacity, default_capacity, fork_or_none, give_back, take_for
 from assistgen.core.state import Chunk, GenerationState
 from assistgen.drafters.factory import DrafterFactory
 from assistgen.policy.costs import Calibration, pending
@@ -80,8 +80,12 @@ class Request:
     """One submitted request: its chunks arrive in order; the last one has `finish_reason` set."""
 
     def __init__(self, admitted: Admission, on_chunk: Callable[[Chunk], None] | None,
-                 drafter: Drafter | None = None, namespace: str | None = None, public: int = 0):
+                 drafter: Drafter | None = None, namespace: str | None = None, public: int = 0,
+                 siblings: list[Request] | None = None):
         self.id = f"req-{next(_ids)}"
+        self.siblings = siblings if siblings is not None else []  # the choices of one prompt (n > 1), itself among
+        # them: one feeds the prompt, the others start from a fork of its cache
+        self.siblings.append(self)
         self.admitted = admitted
         self.prompt_ids = admitted.prompt_ids
         self.config = admitted.config
@@ -167,18 +171,23 @@ class BatchEngine:
 
     def submit(self, prompt: list[int] | Admission, config: GenerationConfig | None = None,
                on_chunk: Callable[[Chunk], None] | None = None, drafter: Drafter | None = None,
-               namespace: str | None = None, public: int = 0) -> Request:
+               namespace: str | None = None, public: int = 0, sibling: Request | None = None) -> Request:
         """Queue a request: `prompt` its ids, admitted here with `config`, or an `Admission` that `admit` made (for
         the same `drafter`; `config` then None). `namespace`: whose kept prefixes it reuses and whose it feeds
         (None: it neither reuses nor leaves any); `public`: how many of its first tokens hold no one's content (a chat
-        template's opening, `chat.templates.template_prefix`): kept rows of those may come from any request."""
+        template's opening, `chat.templates.template_prefix`): kept rows of those may come from any request.
+        `sibling`: a request queued before for the same prompt (another choice of it, n > 1): this one waits while
+        they are feeding the prompt and starts from a fork of the cache of one that has fed it (`sibling_fork`)."""
         if isinstance(prompt, Admission):
             if config is not None:
                 raise ValueError("submit: an admitted request carries its config: give config=None")
             admitted = prompt
         else:
             admitted = self.admit(prompt, config, drafter)
-        request = Request(admitted, on_chunk, drafter, namespace, public)
+        if sibling is not None and sibling.prompt_ids != admitted.prompt_ids:
+            raise ValueError("submit: a sibling request must have the same prompt")
+        request = Request(admitted, on_chunk, drafter, namespace, public,
+                          sibling.siblings if sibling is not None else None)
         with self.lock:
             if not self.accepting:
                 raise QueueFull("The server is shutting down and accepts no new requests.")
@@ -236,9 +245,7 @@ class BatchEngine:
                         return  # shut down and drained
                     joining = None  # idle, with costs left to measure
                 else:
-                    joining = []
-                    while self.waiting and len(active) + len(joining) < self.settings.max_batch:
-                        joining.append(self.waiting.popleft())
+                    joining = self._joining(active)
             if joining is None:
                 for calibration in self._measurable()[:1]:
                     measure_a_pass(calibration, self)
@@ -246,7 +253,7 @@ class BatchEngine:
             if joining:
                 for calibration in pending(self.models):  # (its half-done stage's caches freed for the requests)
                     calibration.hold(self)
-            active += [(r, s) for r in joining if (s := self._begin(r)) is not None]
+            active += [(r, s) for r in joining if (s := self._begin(r, sibling_fork(r, active))) is not None]
             active = [(r, s) for r, s in active if not self._cancelled(r, s)]
             self.running = [r for r, _ in active]
             if not active:
@@ -271,14 +278,27 @@ class BatchEngine:
             active = [(r, s) for r, s in active if s.finish is None]
             self.running = [r for r, _ in active]
 
-    def _begin(self, request: Request) -> GenerationState | None:
-        """The request's sequence in the loop, from its admission (and the longest prefix kept for its namespace),
-        or None (its error delivered) when it cannot start."""
-        cache = None
+    def _joining(self, active: list[tuple[Request, GenerationState]]) -> list[Request]:
+        """The waiting requests that start now, in order, up to `max_batch` running: all but those whose sibling is
+        feeding their prompt or starts now (they start from its cache once it has fed it), which keep their place."""
+        joining, held = [], []
+        while self.waiting and len(active) + len(joining) < self.settings.max_batch:
+            request = self.waiting.popleft()
+            feeding = sibling_feeding(request, active) or any(r in request.siblings for r in joining)
+            (held if feeding else joining).append(request)
+        self.waiting.extendleft(reversed(held))
+        return joining
+
+    def _begin(self, request: Request, shared: Cache | None = None) -> GenerationState | None:
+        """The request's sequence in the loop, from its admission and `shared` (a sibling's cache holding the prompt
+        but its last token) or the longest prefix kept for its namespace; None (its error delivered) when it cannot
+        start."""
+        cache = shared
         try:
             drafter = request.drafter if request.drafter is not None else self.make_drafter()
-            cache = take_for(self._prefix(request), request.prompt_ids, request.namespace, request.config,
-                             request.public)
+            if cache is None:
+                cache = take_for(self._prefix(request), request.prompt_ids, request.namespace, request.config,
+                                 request.public)
             return begin(self.target, request.prompt_ids, drafter, self.schedule, request.config, cache,
                          request.admitted)
         except Exception as e:  # noqa: BLE001
@@ -304,6 +324,29 @@ class BatchEngine:
         sequence.stats.finish_reason = request.cancel_reason
         request.deliver(Chunk([], "", request.cancel_reason, sequence.stats))
         return True
+
+
+def sibling_feeding(request: Request, active: list[tuple[Request, GenerationState]]) -> bool:
+    """Whether a running sibling of `request` is still feeding their prompt (and none has fed it yet)."""
+    running = [s for r, s in active if r is not request and r in request.siblings]
+    return any(s.prefilling for s in running) and not any(not s.prefilling for s in running)
+
+
+def sibling_fork(request: Request, active: list[tuple[Request, GenerationState]]) -> Cache | None:
+    """A fork of a running sibling's cache cut to `request`'s prompt but its last token (what the loop feeds first),
+    or None: no sibling has fed the prompt, prompt logprobs are asked for (they need every row fed), or the backend
+    has no sequence left to fork into."""
+    if len(request.siblings) < 2 or request.config.prompt_logprobs is not None:
+        return None
+    length = len(request.prompt_ids) - 1
+    for other, state in active:
+        if other is not request and other in request.siblings and not state.prefilling and state.finish is None \
+                and len(state.cache) >= length and length > 0:
+            cache = fork_or_none(state.cache)
+            if cache is not None:
+                cache.crop(length)
+                return cache
+    return None
 
 
 def prefix_cache_for(target: LanguageModel, settings: EngineSettings) -> PrefixCache | None:

@@ -11,7 +11,7 @@ import asyncio
 import hashlib
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import Request as HTTPRequest
 
@@ -151,12 +151,19 @@ def encoded(encode: Callable[[], list[int]], param: str) -> list[int]:
 def submit(state: AppState, body: Sampling, prompts: list[list[int]], http: HTTPRequest,
            calls: Structure | None = None, param: str = "prompt", public: int = 0,
            predicted: list[int] | None = None) -> list[Job]:
-    """One engine request per prompt, each admitted before any is queued; a refusal cancels the ones already
-    queued. `calls`: the structure tool calls follow; `param`: the field the prompts came in; `public`: how many of
-    each prompt's first tokens its chat template renders from no content (`chat.templates.template_prefix`);
-    `predicted`: the predicted output's tokens (Predicted Outputs), drafted from by each prompt's drafter."""
+    """The engine requests of a body: per prompt, its candidates (`Sampling.choices`: n, or best_of), prompt by
+    prompt; each prompt admitted once (its grammar compiled once) before any is queued, a refusal cancelling the ones
+    already queued. A prompt's candidates are siblings in the engine (one feeds the prompt, the others start from its
+    cache) and candidate j draws with seed + j (as vLLM: each equals a single request with that seed). `calls`: the
+    structure tool calls follow; `param`: the field the prompts came in; `public`: how many of each prompt's first
+    tokens its chat template renders from no content (`chat.templates.template_prefix`); `predicted`: the predicted
+    output's tokens (Predicted Outputs), drafted from by each candidate's drafter."""
+    n, candidates = body.choices()
+    check_queue(state, len(prompts) * candidates, n, candidates, param)
     configs = [generation_config(body, state.settings.max_tokens_limit, state.context - len(ids), calls,
                                  state.engine.target.tokenizer) for ids in prompts]
+    if candidates > n:  # (ranked by their tokens' log-probabilities, listed only when asked for)
+        configs = [config if config.logprobs is not None else replace(config, logprobs=0) for config in configs]
     if state.closing:
         raise APIError(503, "The server is shutting down.", "service_unavailable")
     key, started = api_key(http), time.perf_counter()
@@ -164,14 +171,53 @@ def submit(state: AppState, body: Sampling, prompts: list[list[int]], http: HTTP
                 for ids, config in zip(prompts, configs, strict=True)]
     jobs: list[Job] = []
     try:
-        for one, drafter in admitted:
-            jobs.append(submit_one(state, one, drafter, key, started, public))
-            jobs[-1].predicted = predicted
+        for (one, drafter), ids in zip(admitted, prompts, strict=True):
+            first = None
+            for j in range(candidates):
+                if j:
+                    drafter = drafter_for(state, key, prediction_of(predicted, ids))
+                jobs.append(submit_one(state, replace(one, config=candidate_config(one.config, j)), drafter, key,
+                                       started, public, first))
+                jobs[-1].predicted = predicted
+                first = first or jobs[-1].request
     except APIError:
         for job in jobs:
             job.request.cancel()
         raise
     return jobs
+
+
+def candidate_config(config: GenerationConfig, j: int) -> GenerationConfig:
+    """Candidate j's config: seed + j (wrapped into torch's seed range) when a seed is given."""
+    if config.seed is None:
+        return config
+    seed = config.seed + j
+    return replace(config, seed=seed - 2**64 if seed >= 2**64 else seed)
+
+
+def check_queue(state: AppState, count: int, n: int, candidates: int, param: str) -> None:
+    """A body asking for more engine requests than the engine queues is a 400 (a 429 would say: retry)."""
+    limit = state.engine.settings.max_queue
+    if count > limit:
+        field = "best_of" if candidates > n else "n" if n > 1 else param
+        raise APIError(400, f"{field}: this request asks for {count} generations (prompts × candidates), more than "
+                       f"this server queues at once ({limit}, --max-queue): ask for fewer.", param=field)
+
+
+def ranked(jobs: list[Job], n: int, candidates: int) -> list[int]:
+    """best_of: of each prompt's finished candidates (consecutive in `jobs`), the indices of the n with the highest
+    log-probability per token, best first (OpenAI's "best"); with n candidates, every index in order."""
+    if candidates == n:
+        return list(range(len(jobs)))
+    out = []
+    for start in range(0, len(jobs), candidates):
+        group = range(start, start + candidates)
+        out += sorted(group, key=lambda i: mean_logprob(jobs[i]), reverse=True)[:n]
+    return out
+
+
+def mean_logprob(job: Job) -> float:
+    return sum(lp.logprob for lp in job.logprobs) / len(job.logprobs) if job.logprobs else float("-inf")
 
 
 def prediction_of(predicted: list[int] | None, prompt: list[int]) -> Prediction | None:
@@ -191,11 +237,12 @@ def admission(state: AppState, ids: list[int], config: GenerationConfig, drafter
 
 
 def submit_one(state: AppState, admitted: Admission, drafter: Drafter | None, key: str | None,
-               started: float, public: int = 0) -> Job:
+               started: float, public: int = 0, sibling: Request | None = None) -> Job:
     job = Job(admitted.prompt_ids, asyncio.Queue(), started)
     try:
         job.request = state.engine.submit(admitted, None, chunk_sink(asyncio.get_running_loop(), job.queue),
-                                          drafter=drafter, namespace=prefix_namespace(state, key), public=public)
+                                          drafter=drafter, namespace=prefix_namespace(state, key), public=public,
+                                          sibling=sibling)
     except QueueFull as e:
         if state.closing:
             raise APIError(503, "The server is shutting down.", "service_unavailable") from e

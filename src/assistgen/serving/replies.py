@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from assistgen.chat.parser import CallParser, CallStart, Content, parse_calls
 from assistgen.core.state import Chunk
 from assistgen.serving.app_state import AppState
-from assistgen.serving.jobs import Job, cancel_when_gone, failure, merged, reply_metrics, usage
+from assistgen.serving.jobs import Job, cancel_when_gone, failure, merged, ranked, reply_metrics, usage
 from assistgen.serving.metrics import spec_decode_metrics
 from assistgen.serving.wire.chat import chat_logprobs
 from assistgen.serving.wire.common import FINISH_REASONS, Sampling, new_id
@@ -28,13 +28,18 @@ from assistgen.serving.wire.errors import error_body
 
 async def respond(state: AppState, body: Sampling, jobs: list[Job], chat: bool, http: HTTPRequest,
                   echoes: list[str] | None = None) -> Response:
+    """The reply to `jobs` (`jobs.submit`'s: each prompt's candidates in turn); `echoes`: each prompt's text, put
+    before each of its choices."""
     reply_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     head = {"id": reply_id, "created": int(time.time()), "model": state.settings.model_name}
-    if body.stream:
+    n, candidates = body.choices()
+    if echoes is not None:  # (one per job)
+        echoes = [echoes[i // candidates] for i in range(len(jobs))]
+    if body.stream:  # (never with candidates > n: `CompletionRequest.choices`)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(events(state, jobs, head, chat, include_usage, echoes),
                                  media_type="text/event-stream")
-    return await reply(state, jobs, head, chat, http, echoes)
+    return await reply(state, jobs, head, chat, http, echoes, (n, candidates), body.asked_logprobs() is not None)
 
 
 async def finished(state: AppState, jobs: list[Job], http: HTTPRequest) -> None:
@@ -52,14 +57,16 @@ async def finished(state: AppState, jobs: list[Job], http: HTTPRequest) -> None:
 
 
 async def reply(state: AppState, jobs: list[Job], head: dict, chat: bool, http: HTTPRequest,
-                echoes: list[str] | None) -> JSONResponse:
+                echoes: list[str] | None, choices_of: tuple[int, int], asked: bool) -> JSONResponse:
+    """One JSON body: per prompt, the n best of its candidates (`choices_of`: n, candidates; `jobs.ranked`), with
+    their logprobs when `asked`; usage and metrics over every job."""
     await finished(state, jobs, http)
     tokenizer = state.engine.target.tokenizer
     choices = []
-    for i, job in enumerate(jobs):
+    for index, i in enumerate(ranked(jobs, *choices_of)):
+        job = jobs[i]
         text = (echoes[i] if echoes else "") + "".join(job.texts)
-        choice = {"index": i, "finish_reason": FINISH_REASONS.get(job.last.finish_reason)}
-        asked = job.request.config.logprobs is not None
+        choice = {"index": index, "finish_reason": FINISH_REASONS.get(job.last.finish_reason)}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
             if job.calls is not None:
@@ -99,9 +106,10 @@ async def events(state: AppState, jobs: list[Job], head: dict, chat: bool, inclu
             return chat_logprobs(tokenizer, chunk.logprobs)
         return completion_logprobs(tokenizer, chunk.logprobs or [], offsets[i], echoed)
 
-    if chat:
-        yield sse({**head, "object": kind, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                        "logprobs": None, "finish_reason": None}]})
+    if chat:  # (each choice's role first)
+        for i in range(len(jobs)):
+            yield sse({**head, "object": kind, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                            "logprobs": None, "finish_reason": None}]})
     async for i, chunk in merged(state, jobs):
         if echoes and not started[i]:  # the prompt's text (and its logprobs) before the choice's first tokens
             echoed = (jobs[i].prompt_ids, chunk.prompt_logprobs) if chunk.prompt_logprobs is not None else None

@@ -13,7 +13,9 @@ checked in full before it reaches the engine (`wire/`, then the engine's admissi
 the prompt against the context, the grammar compiled, `BatchEngine.admit`): each field OpenAI's API defines is
 honoured or, where this server does not do it, refused unless left at its "off" value; a prompt plus the new tokens
 asked for must fit the context. A completion request with several prompts runs them as separate engine requests,
-batched, one choice each (`index` in order, usage summed); `echo` puts the prompt's text before each choice.
+batched, n choices each (`index` in order, usage summed); `n` > 1 (and completions' `best_of`) runs a prompt's
+candidates as sibling engine requests sharing its prefill (`jobs.submit`), the n best of best_of answered
+(`jobs.ranked`); `echo` puts the prompt's text before each choice.
 Before any handler, `gate.Gate` checks the API key (`ServerSettings.api_keys`: 401 without a known one, `/health`
 open) and the body's size (413 past `ServerSettings.max_body`). A client mistake answers 4xx with OpenAI's error body
 (400 bad input, 401 no known key, 404 unknown model, 413 body too large, 429 queue full, 503 shutting down), anything
@@ -94,7 +96,8 @@ async def chat_completions(body: ChatRequest, http: HTTPRequest):
     ids = encoded(lambda: encode_chat(state.engine.target, messages, specs), "messages")
     jobs = submit(state, body, [ids], http, calls, "messages", template_prefix(state.engine.target, messages, ids),
                   predicted_tokens(state, body))
-    jobs[0].calls = syntax
+    for job in jobs:
+        job.calls = syntax
     return await respond(state, body, jobs, True, http)
 
 

@@ -21,6 +21,7 @@ MAX_MESSAGES = 4096  # messages of a chat, items of a response's input
 MAX_STOP = 16  # stop strings (OpenAI's own limit is 4)
 MAX_PROMPTS = 256  # prompts of one completion request
 MAX_TOOLS = 256  # tools a request offers
+MAX_CHOICES = 128  # n (and best_of) per prompt: OpenAI's own limit
 FAIL_FAST = Field(fail_fast=True)  # a list's validation stops at its first bad item: one error, not one per item
 FINISH_REASONS = {"length": "length", "context": "length", "eos": "stop", "stop": "stop", "cancelled": "abort",
                   "timeout": "timeout"}
@@ -38,7 +39,6 @@ class StreamOptions(BaseModel):
 REFUSED: dict[str, tuple[tuple, str]] = {
     "functions": ((None, []), "functions (deprecated by OpenAI) is not supported: give tools instead."),
     "function_call": ((None, "none"), "function_call (deprecated by OpenAI) is not supported: give tool_choice."),
-    "best_of": ((None, 1), "best_of must be 1."),
     "suffix": ((None, ""), "suffix (insertion) is not supported."),
     "audio": ((None,), "audio output is not supported."),
     "modalities": ((None, ["text"]), "only the text modality is supported."),
@@ -67,7 +67,7 @@ class Sampling(BaseModel):
     top_k: int | None = Field(None, strict=True)  # an extension of OpenAI's API
     seed: int | None = Field(None, strict=True, ge=-(2**63), lt=2**64)
     stop: str | Annotated[list[str], FAIL_FAST] | None = None
-    n: int | None = Field(None, strict=True)  # only 1
+    n: int | None = Field(None, strict=True)  # choices per prompt (`choices`)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -104,6 +104,14 @@ class Sampling(BaseModel):
     def asked_prompt_logprobs(self) -> int | None:
         """The same for the prompt's tokens (completions with echo)."""
         return None
+
+    def choices(self) -> tuple[int, int]:
+        """(n: the choices answered per prompt, 1 to MAX_CHOICES; how many are generated per prompt: n here,
+        completions' best_of there)."""
+        n = 1 if self.n is None else self.n
+        if not 1 <= n <= MAX_CHOICES:
+            raise APIError(400, f"n must be from 1 to {MAX_CHOICES} (choices per prompt), got {n}.", param="n")
+        return n, n
 
 
 def refuse_unsupported(body: Sampling, refused: dict[str, tuple[tuple, str]] = REFUSED) -> None:

@@ -26,8 +26,6 @@ def generation_config(body: Sampling, limit: int | None, room: int,
     the structure its tool calls follow (`chat.grammar.call_structure`), which excludes a response format;
     `tokenizer`: the model's, which `bad_words` are tokenized with. (The endpoints call `refuse_unsupported`
     first.)"""
-    if body.n not in (None, 1):
-        raise APIError(400, f"n must be 1 (one choice per prompt), got {body.n}.", param="n")
     asked = body.new_tokens()
     field = body.tokens_field()
     given = {"max_new_tokens": asked, "temperature": body.temperature, "top_p": body.top_p,

@@ -46,6 +46,8 @@ RESPONSES_REFUSED: dict[str, tuple[tuple, str]] = {
     "truncation": ((None, "disabled"), "truncation must be disabled: a long input is a 400, never cut."),
     "max_tool_calls": ((None,), "max_tool_calls is not supported: use parallel_tool_calls false for one call."),
     "top_logprobs": ((None, 0), "top_logprobs is not supported on /v1/responses: use chat completions."),
+    "n": ((None, 1), "the Responses API answers one output per request: send several requests, or use chat "
+          "completions' n."),
 }
 
 
