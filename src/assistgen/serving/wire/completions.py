@@ -1,8 +1,9 @@
 """POST /v1/completions: its body, its prompts and its choices' log-probabilities.
 
 Contract: `CompletionRequest` is the body (a prompt, or several: n choices each, the n best of best_of candidates;
-`echo`; `logprobs`: alternatives per token); `completion_prompts` gives its prompts (a string, token ids, or a list of either); `completion_logprobs` is a
-choice's `logprobs` as the endpoint answers them ({tokens, token_logprobs, top_logprobs, text_offset}).
+`echo`; `logprobs`: alternatives per token); `completion_prompts` gives its prompts (a string, token ids, or a list of
+either); `completion_logprobs` is a choice's `logprobs` as the endpoint answers them ({tokens, token_logprobs,
+top_logprobs, text_offset}).
 """
 
 from __future__ import annotations
