@@ -201,6 +201,18 @@ def test_the_test_detects_a_broken_acceptance_rule(models, far_assistant, monkey
     assert pair_pvalue(counts, exact_distribution(target, temperature=1.0)) < 0.001
 
 
+def test_the_test_detects_keyed_draws_that_ignore_the_position(models, monkeypatch):
+    """Copied drafts are judged by keyed draws (`core.verify.keyed`): one uniform for every position of a sample
+    makes its tokens depend on each other, which the pairs' test sees."""
+    import assistgen.spec.sampling as spec_sampling
+
+    target, _ = models
+    monkeypatch.setattr(spec_sampling, "keyed_uniform", lambda key, position, real=spec_sampling.keyed_uniform:
+                        real(key, 0))
+    counts, _ = sample(target, BROKEN_SAMPLES, lookup=True, schedule=Constant(3), temperature=1.0)
+    assert pair_pvalue(counts, exact_distribution(target, temperature=1.0)) < 0.001
+
+
 @SLOW
 def test_the_test_detects_a_bug_beyond_the_first_draft_position(models, monkeypatch):
     target, assistant = models

@@ -91,14 +91,16 @@ def test_a_sampled_batch_reads_once_per_step_with_the_draws_made_beforehand(monk
     emitting = [reads for emitted, reads in per_step if emitted]
     if eager:
         assert all(reads == 1 for reads in emitting), per_step
-    else:  # on the CPU the stop token is drawn after the read, one more each (no device to wait for there)
-        assert all(1 < reads <= 1 + len(TEXTS[:2]) for reads in emitting), per_step
+    else:  # on the CPU the stop token is drawn after the read, one more each (no device to wait for there; a step
+        # whose drafts are all empty, judged by keyed draws, reads only those)
+        assert all(1 <= reads <= 1 + len(TEXTS[:2]) for reads in emitting), per_step
+        assert sum(reads > 1 for reads in emitting) > len(emitting) // 2
 
 
 def test_eager_draws_give_the_lazy_tokens_and_leave_the_generators_alike(monkeypatch):
     """Random p and q, each seed verified lazily and eagerly: the same accepted count and token, and the same next
-    draws after (the generators left in the same state), with q given, one-hot, a zero q at a draft token, and a
-    forbidden token judged at the end."""
+    draws after (the generators left in the same state), with q given, one-hot (by the rejection rule, and by keyed
+    draws where the position is known), a zero q at a draft token, and a forbidden token judged at the end."""
     rng = random.Random(0)
     vocab = 12
     for case in range(300):
@@ -117,7 +119,7 @@ def test_eager_draws_give_the_lazy_tokens_and_leave_the_generators_alike(monkeyp
             monkeypatch.setattr(verify, "EAGER", eager)
             sampler = Sampler(config)
             judged_q = None if q is None else q[: n + (forbidden is not None)]
-            job = verify.Verification(p_logits, tokens, sampler, judged_q, forbidden)
+            job = verify.Verification(p_logits, tokens, sampler, judged_q, forbidden, case if case % 2 else None)
             verdict = verify.verify_all([job])[0]
             after = (sampler.uniform(), int(torch.multinomial(torch.ones(vocab), 3, generator=sampler.generator)[0]))
             results.append((verdict.accepted, verdict.token, after))

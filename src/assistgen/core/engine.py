@@ -153,7 +153,7 @@ def step(states: list[GenerationState], prefill_budget: int | None = None) -> li
         rows = processed(p.state, rows, p.proposal.draft.tokens[: p.verified])
         kept.append((p, rows, share, lost, switched))
     verdicts = verify_all([verification(p, rows) for p, rows, *_ in kept]  # one read to the host for the step
-                          + [Verification(rows, [], s.sampler) for s, rows in opening])
+                          + [Verification(rows, [], s.sampler, position=len(s.ids)) for s, rows in opening])
     chunks = {id(p.state): accept(p, rows, verdict, share, lost, switched)
               for (p, rows, share, lost, switched), verdict in zip(kept, verdicts[: len(kept)], strict=True)}
     chunks.update({id(s): open_with(s, rows, verdict)
@@ -276,7 +276,7 @@ def verification(p: Planned, logits) -> Verification:
     draft, n = p.proposal.draft, p.verified
     rows = n + (p.forbidden is not None)
     q = None if draft.probs is None or p.state.sampler.greedy else draft.probs[:rows]
-    return Verification(logits, draft.tokens[:n], p.state.sampler, q, p.forbidden)
+    return Verification(logits, draft.tokens[:n], p.state.sampler, q, p.forbidden, len(p.state.ids))
 
 
 def accept(p: Planned, logits, verdict: Verdict, verify_s: float, losers: list[StepOutcome] = (),

@@ -12,6 +12,11 @@ beforehand at every position it could stop at, each from the generator state the
 with the rest, so that the step reads once; the generators are then left where the lazy draw leaves them, and the
 tokens are the same (a draft token with q = 0 at the stop, which draws no uniform, falls back to the lazy draw).
 Samplers without generators (the enumerated rejection tests' scripted ones) are judged lazily.
+A sampled job whose draft has no probabilities (a copy: lookup, n-gram, suffix, a prediction) is judged by keyed
+draws instead (`keyed`): the target's token at each position is the inverse CDF of p at that position's keyed uniform
+(`spec.sampling.keyed_uniform`), the draft accepted up to the first token that differs, as greedy verification
+takes the argmax. Each token comes from p exactly, as the rejection rule's would (a copied token is kept with
+probability p(x) either way), and a seeded generation samples the same tokens whatever was drafted.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from assistgen.core.sampling import accepted_count, draft_probabilities, greedy_accepted, stop_distribution
-from assistgen.spec.sampling import Sampler
+from assistgen.spec.sampling import Sampler, inverse_cdf
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,7 @@ class Verification:
     sampler: Sampler
     q: torch.Tensor | None = None  # [n (+1 with forbidden), vocab] the draft's probabilities; None: one-hot
     forbidden: int | None = None  # draft token n+1, which the grammar rejects (None: none is judged)
+    position: int | None = None  # the sequence position row 0 predicts (keyed draws); None: not known
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,22 @@ class _Sampled:
     after: list | None = None  # the device generator's state after each of those draws
 
 
+@dataclass
+class _Keyed:
+    """A sampled job judged by keyed draws: p, and (eager) the uniforms' tokens at every position."""
+
+    p: torch.Tensor
+    uniforms: list[float]
+    eager: bool
+
+
 EAGER: bool | None = None  # draw the stop tokens beforehand; None: on a device other than the CPU
+
+
+def keyed(job: Verification) -> bool:
+    """Whether the job is judged by keyed draws: sampled, its draft copied (q one-hot: a drafter without
+    probabilities), its position known, its sampler keyed (the enumerated tests' scripted ones are not)."""
+    return job.q is None and job.position is not None and isinstance(getattr(job.sampler, "key", None), int)
 
 
 def verify_all(jobs: list[Verification]) -> list[Verdict]:
@@ -64,6 +85,14 @@ def verify_all(jobs: list[Verification]) -> list[Verdict]:
             work.append(None)
             continue
         p = job.sampler.probs(job.logits)  # [n+1, vocab]
+        if keyed(job):  # (the token at each position: the inverse CDF at its keyed uniform)
+            sampled = _Keyed(without(p, len(job.tokens), job.forbidden),
+                             job.sampler.keyed_uniforms(job.position, len(job.tokens) + 1), eager)
+            if eager:
+                uniforms = torch.tensor(sampled.uniforms, dtype=torch.float64).to(p.device)
+                pieces.append(inverse_cdf(sampled.p, uniforms))
+            work.append(sampled)
+            continue
         q = None if job.q is None else job.q.to(p.device)
         p_x, q_x = draft_probabilities(p, q, job.tokens)  # [n], [n]
         sampled = _Sampled(p, q)
@@ -82,6 +111,15 @@ def verify_all(jobs: list[Verification]) -> list[Verdict]:
             accepted = greedy_accepted(choice, job.tokens)
             verdicts.append(Verdict(accepted, choice[accepted], None))
             continue
+        if isinstance(sampled, _Keyed):
+            if sampled.eager:
+                choice = [int(v) for v in values[at : at + n + 1]]
+                at += n + 1
+            else:
+                choice = keyed_choices(sampled, job.tokens)
+            accepted = greedy_accepted(choice, job.tokens)
+            verdicts.append(Verdict(accepted, choice[accepted], sampled.p))
+            continue
         p_x, q_x = values[at : at + n], values[at + n : at + 2 * n]
         at += 2 * n
         accepted, drew = accepted_count(p_x, q_x, job.sampler)
@@ -95,6 +133,27 @@ def verify_all(jobs: list[Verification]) -> list[Verdict]:
         token = job.sampler.draw(stop_distribution(sampled.p, sampled.q, job.tokens, accepted, job.forbidden))
         verdicts.append(Verdict(accepted, token, sampled.p))
     return verdicts
+
+
+def without(p: torch.Tensor, row: int, token: int | None) -> torch.Tensor:
+    """p [n+1, vocab] with `token` given probability 0 at `row` (a forbidden draft token: the masked target gives it
+    none already; judged as the rejection rule judges it); p itself when there is none."""
+    if token is None:
+        return p
+    p = p.clone()
+    p[row, token] = 0.0
+    return p
+
+
+def keyed_choices(sampled: _Keyed, draft: list[int]) -> list[int]:
+    """The keyed tokens position by position, up to the first that differs from the draft (the rest are never used)."""
+    choice = []
+    for i, u in enumerate(sampled.uniforms):
+        row = sampled.p[i : i + 1]
+        choice.append(int(inverse_cdf(row, torch.tensor([u], dtype=torch.float64, device=row.device))[0]))
+        if i >= len(draft) or choice[-1] != draft[i]:
+            break
+    return choice
 
 
 def draw_beforehand(sampled: _Sampled, job: Verification) -> None:
@@ -135,6 +194,8 @@ def to_host(pieces: list[torch.Tensor]) -> list:
     """The one read of a step's verification: the pieces' values, flat, in order (integers as they are when every
     piece holds token ids, as greedy ones do; else as float64, which holds float32 probabilities and token ids
     exactly)."""
+    if not pieces:  # (only keyed jobs judged lazily: nothing to read)
+        return []
     if len(pieces) == 1 and not pieces[0].is_floating_point():
         return pieces[0].tolist()
     if all(not x.is_floating_point() for x in pieces):

@@ -3,8 +3,11 @@
 Contract: a `Sampler` per generation, made from its `GenerationConfig`; `probs(logits [n, vocab])` gives the
 processed probabilities [n, vocab] (float32), `draw` and `uniform` draw with seeded `torch.Generator`s. Draws
 happen on the device of the probabilities given, each device with its own generator made on first use and
-seeded with the same seed, so the stream on the CPU is the same whatever other devices join. Greedy
-generations (`greedy`) never draw: the loop takes the argmax.
+seeded with the same seed, so the stream on the CPU is the same whatever other devices join. Keyed draws
+(`keyed_uniforms`, `inverse_cdf`): the token at sequence position t is the inverse CDF of p at a uniform that depends
+only on the seed (`key`) and t, so which tokens a seeded generation samples does not depend on how many steps
+drew them (what was drafted, or verified, or batched beside it). Greedy generations (`greedy`) never draw: the loop
+takes the argmax.
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ class Sampler:
         else:
             self.generator.seed()
         self.generators = {self.generator.device: self.generator}
+        self.key = self.generator.initial_seed()  # what every position's keyed uniform derives from
+
+    def keyed_uniforms(self, position: int, count: int) -> list[float]:
+        """The keyed uniforms in [0, 1) of sequence positions position .. position + count - 1."""
+        return [keyed_uniform(self.key, position + i) for i in range(count)]
 
     def generator_for(self, device: torch.device) -> torch.Generator:
         """The generator that draws on `device`, made on first use with the CPU generator's seed."""
@@ -72,3 +80,24 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     remove_sorted[..., -1:] = False  # always keep the most likely token
     remove = remove_sorted.scatter(-1, order, remove_sorted)
     return logits.masked_fill(remove, float("-inf"))
+
+
+MASK64 = 2**64 - 1
+
+
+def keyed_uniform(key: int, position: int) -> float:
+    """A uniform in [0, 1) for (key, position): splitmix64 of the pair, its top 53 bits."""
+    z = (key * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    z ^= z >> 31
+    return (z >> 11) / 2.0**53
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """probs [rows, vocab], uniforms [rows] (float64, on probs' device) -> [rows] tokens: each row's first token whose
+    cumulative probability (float64) exceeds u times the row's total, so token x comes with probability p(x) (a token of
+    probability 0 never)."""
+    cdf = probs.to(torch.float64).cumsum(dim=-1)  # [rows, vocab]
+    target = (uniforms * cdf[:, -1])[:, None]  # [rows, 1]
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_max(probs.shape[-1] - 1)  # [rows]
