@@ -51,7 +51,7 @@ class GenerationConfig:
     top_k: int = 0  # 0 disables top-k
     top_p: float = 1.0  # 1.0 disables nucleus filtering
     seed: int | None = None  # seeds the torch.Generator used for sampling
-    stop: tuple[str, ...] = ()  # stop strings, matched on decoded text and not emitted
+    stop: tuple[str, ...] = ()  # stop strings, matched on decoded text, not emitted (one string or a list: a tuple)
     eos_token_ids: tuple[int, ...] | None = None  # None: from the model's generation config
     logprobs: int | None = None  # None: none; n >= 0: each emitted token's log-probability and its n most likely
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (from the first on), on the first chunk
@@ -103,7 +103,9 @@ class GenerationConfig:
             raise ConfigError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}.")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}.")
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
+        if isinstance(self.stop, str) or isinstance(self.stop, list):  # (one stop string is itself, not its characters)
+            object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ConfigError(f"stop strings must be non-empty strings, got {self.stop!r}.")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

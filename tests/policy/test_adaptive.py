@@ -280,7 +280,7 @@ def test_a_model_drafters_first_pass_is_priced_by_the_rows_it_feeds():
     assert policy.first_pass_extra(Timed()) == pytest.approx(0.5)
     # Its proposal of 3 tokens took 3 + 0.5 of its passes, each 0.3 of a plain step (0.05 s): c stays 0.3.
     policy.update(replace(step([5] * 3, "assistant", 3, 1, token=6), draft_s=3.5 * 0.3 * 0.05))
-    assert policy.drafter_cost["assistant"] == pytest.approx(0.3, rel=0.02)
+    assert policy.drafters["assistant"].cost == pytest.approx(0.3, rel=0.02)
     policy.next_k(Timed())
     assert policy.first_pass_extra(Timed()) == 0.0  # a draft token was rejected: it feeds the target's token only
 
@@ -550,7 +550,7 @@ def test_an_offloaded_target_prices_a_resident_assistant_by_measured_step_times(
     of 45 % of its weight bytes, resident, takes 0.03 s: its prior cost is their measured step times' ratio, not the
     bytes' share, and with it the assistant drafts from the first step. The bytes' share stays for a target whose
     steps were never timed."""
-    from assistgen.policy.adaptive import cost_hint
+    from assistgen.policy.records import cost_hint
 
     def measured(t1: float, slope: float) -> PassCosts:
         seconds = [t1 * (1 + slope * k) for k in range(17)]

@@ -56,8 +56,8 @@ def predicted(model: LanguageModel, prediction: str | list[int] | None, prompt_l
 
 
 def generation_config(settings: dict) -> GenerationConfig:
-    """The `GenerationConfig` of `generate`'s keyword settings (`json_schema=` as a structure, one stop string as
-    itself, not its characters, `logit_bias` as a dict {token id: bias} too, `bad_words` as lists of token ids);
+    """The `GenerationConfig` of `generate`'s keyword settings (`json_schema=` as a structure, `logit_bias` as a dict
+    {token id: bias} too, `bad_words` as lists of token ids);
     an unknown setting is a ConfigError listing the known ones."""
     settings = dict(settings)
     if "json_schema" in settings:
@@ -67,9 +67,7 @@ def generation_config(settings: dict) -> GenerationConfig:
     if isinstance(settings.get("bad_words"), (list, tuple)):
         settings["bad_words"] = tuple(tuple(w) if isinstance(w, (list, tuple)) else w for w in settings["bad_words"])
     try:
-        if isinstance(settings.get("stop"), str):
-            settings["stop"] = (settings["stop"],)  # one stop string, not its characters
-        return GenerationConfig(**{k: (tuple(v) if k == "stop" else v) for k, v in settings.items()})
+        return GenerationConfig(**settings)
     except TypeError as e:
         allowed = ", ".join(GenerationConfig.__dataclass_fields__)
         raise ConfigError(f"Unknown generation setting: {e}. Allowed: {allowed}.") from e

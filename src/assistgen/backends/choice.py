@@ -19,11 +19,10 @@ import datetime
 import gc
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
-from assistgen.backends.machine import cpu_name
+from assistgen.backends.machine import cpu_name, usable_cores
 from assistgen.backends.settings import LoadSettings
 from assistgen.paths import cache_root, measurement_file, recalled, remember
 
@@ -51,15 +50,11 @@ def is_hub_format(spec: str) -> bool:
     return (path / "config.json").is_file() if path.is_dir() else (not path.exists() and spec.count("/") == 1)
 
 
-def threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def record_path(spec: str, quantize: str) -> Path:
     from assistgen.backends.llamacpp.convert import fingerprint, source_folder
 
     folder = source_folder(spec)
-    machine = hashlib.sha256(f"{cpu_name()}|{threads()}".encode()).hexdigest()[:8]
+    machine = hashlib.sha256(f"{cpu_name()}|{usable_cores()}".encode()).hexdigest()[:8]
     key = f"{folder.name if Path(spec).expanduser().is_dir() else spec}-{quantize.lower()}"
     return measurement_file("choices", key, f"{fingerprint(folder)}-{machine}")
 
@@ -94,7 +89,7 @@ def measure(spec: str, settings, load: Callable) -> dict:
               f"time)")
     say(f"{spec}: {reason}.")
     return {"spec": spec, "quantize": quantize, "twin": TWINS[quantize], "backend": backend, "reason": reason,
-            "seconds": seconds, "rows": [1, VERIFY_ROWS], "cpu": cpu_name(), "threads": threads(),
+            "seconds": seconds, "rows": [1, VERIFY_ROWS], "cpu": cpu_name(), "threads": usable_cores(),
             "measured": datetime.datetime.now().isoformat(timespec="seconds")}
 
 

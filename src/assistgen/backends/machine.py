@@ -42,12 +42,24 @@ def cpu_flags() -> frozenset[str]:
     return frozenset((fields.get("flags") or fields.get("Features") or "").split())
 
 
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity), the one count of them every layer reads."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def default_threads() -> int:
+    """The threads a backend runs on by default: OMP_NUM_THREADS when it is set to a positive number (Ray sets it
+    per replica), else `usable_cores()`."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    return int(given) if given.isdigit() and int(given) > 0 else usable_cores()
+
+
 def cpu_summary() -> str:
     """The processor, its widest vector extension and the cores this process may use, for a figure's heading."""
     flags = cpu_flags()
     widest = next((name for flag, name in (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
                    if flag in flags), "no AVX2")
-    return f"{cpu_name()} ({widest}), {len(os.sched_getaffinity(0))} cores"
+    return f"{cpu_name()} ({widest}), {usable_cores()} cores"
 
 
 def cpu_identity() -> str:

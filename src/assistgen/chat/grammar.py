@@ -2,14 +2,14 @@
 
 Contract: `call_structure(syntax, tools, choice, parallel)` is the `config.Structure` (a Lark grammar with lazy
 triggers) under which every call the model writes is one of `tools` (`chat.tools.Tool`) with arguments valid for
-that tool's parameter schema (laid out as templates render arguments), named by the tool's place when it does not
-compile (`ToolSchemaError`): with `choice="auto"` text is free until the model opens a call in one of the syntax's
+that tool's parameter schema (laid out as templates render arguments), named by the tool's place when its schema is no
+object (`ToolSchemaError`): with `choice="auto"` text is free until the model opens a call in one of the syntax's
 forms (`chat.syntax`); "required" and a tool's name make the output calls only, in the template's form;
 `parallel=False` ends it after the first call. A marker the syntax's tokenizer writes as one special token
 (`syntax.specials`) is that token in the grammar (`<[id]>`), not its text: a call opens, in "auto" too, where the
 model writes the token (in "auto" the marker's text spelled in other tokens opens one as well: the parser reads the
-two alike). Each tool's schema is checked here (llguidance validates it); the whole grammar is compiled by the loop
-(`core.constraint`), as any structure is.
+two alike). The whole grammar is compiled once, by the request's admission (`core.constraint`), as any structure is;
+where it does not compile, `faulty_tool` says which tool's schema made it fail.
 """
 
 from __future__ import annotations
@@ -32,17 +32,33 @@ class ToolSchemaError(ConfigError):
 
 def arguments_grammar(tool: Tool, index: int) -> str:
     """The grammar of the tool's arguments (a Lark `%json` reference): its parameter schema, laid out with ", " and
-    ": " as chat templates render arguments (`tojson`), no other whitespace."""
-    llg = llguidance()
+    ": " as chat templates render arguments (`tojson`), no other whitespace (not compiled here: `faulty_tool`)."""
     try:
-        grammar = json_grammar(tool.parameters)
-        error = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_lark(f"start: {grammar}"))
+        return json_grammar(tool.parameters)
     except (ValueError, TypeError) as e:
-        error = str(e)
-    if error:
-        raise ToolSchemaError(index, f"tools[{index}].function.parameters ({tool.name}): the JSON schema does not "
-                              f"compile: {error_line(error)}")
-    return grammar
+        raise schema_error(tool, index, str(e)) from e
+
+
+def schema_error(tool: Tool, index: int, error: str) -> ToolSchemaError:
+    return ToolSchemaError(index, f"tools[{index}].function.parameters ({tool.name}): the JSON schema does not "
+                           f"compile: {error_line(error)}")
+
+
+def faulty_tool(tools: list[Tool]) -> ToolSchemaError | None:
+    """The first tool whose parameter schema does not compile alone, as the error naming it (None: each compiles):
+    asked only once the whole grammar has failed to compile, to say which tool made it fail."""
+    llg = llguidance()
+    for index, tool in enumerate(tools):
+        try:
+            grammar = arguments_grammar(tool, index)
+            error = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_lark(f"start: {grammar}"))
+        except ToolSchemaError as e:
+            return e
+        except (ValueError, TypeError) as e:
+            error = str(e)
+        if error:
+            return schema_error(tool, index, error)
+    return None
 
 
 def literal(text: str) -> str:

@@ -6,7 +6,8 @@ template; `encode_chat(model, messages, tools)` renders chat messages (and OpenA
 them: `chat.syntax.call_syntax`) into token ids with the prompt for the assistant's turn, a refusal by the template
 being a ConfigError; `template_prefix(model, messages, ids)` is how many of those ids' first tokens the template
 renders alone, from no content of the request (a default system prompt, the first role's header): tokens any
-request may share. Nothing here generates.
+request may share, found by rendering that opening once per template and first role (`template_opening`), so that a
+request renders its template once. Nothing here generates.
 """
 
 from __future__ import annotations
@@ -76,9 +77,25 @@ def template_prefix(model: LanguageModel, messages: list[dict], ids: list[int]) 
     refuses such a message."""
     if not messages or not isinstance(messages[0], dict):
         return 0
-    role = messages[0].get("role", "user")
-    try:
-        blank, other = (encode_chat(model, [{"role": role, "content": text}]) for text in ("", "A"))
-    except ConfigError:
-        return 0
-    return min(shared_prefix(blank, other), shared_prefix(blank, ids))
+    opening = template_opening(model, messages[0].get("role", "user"))
+    return shared_prefix(opening, ids)
+
+
+_OPENINGS: dict[tuple, list[int]] = {}  # (tokenizer, its template, a role) -> the opening's tokens
+
+
+def template_opening(model: LanguageModel, role: str) -> list[int]:
+    """The tokens the model's chat template renders before a first message of `role`, whatever its content (what two
+    renderings with different contents share; [] where the template refuses such a message): rendered once per
+    template and role, then kept."""
+    tok = model.tokenizer
+    key = (id(tok), getattr(tok, "name_or_path", ""), len(tok), getattr(tok, "chat_template", None), str(role))
+    if key not in _OPENINGS:
+        try:
+            blank, other = (encode_chat(model, [{"role": role, "content": text}]) for text in ("", "A"))
+            _OPENINGS[key] = blank[: shared_prefix(blank, other)]
+        except ConfigError:
+            _OPENINGS[key] = []
+        if len(_OPENINGS) > 256:  # (a bound: roles are few, but a client may send any string as one)
+            _OPENINGS.pop(next(iter(_OPENINGS)))
+    return _OPENINGS[key]

@@ -12,8 +12,8 @@ from importlib.resources import files
 
 from assistgen.api import encode_prompt, generate, load_model
 
-DEFAULT_MODEL = "gemma3-270m"
-DEFAULT_TOKENS = 128
+DEMO_MODEL = "gemma3-270m"  # the demo's own model (the commands' default text model: options.DEFAULT_MODEL)
+DEMO_TOKENS = 128
 
 
 def summary_prompt() -> str:
@@ -22,8 +22,8 @@ def summary_prompt() -> str:
 
 
 def run_demo(model_name: str | None = None, max_new_tokens: int | None = None) -> int:
-    model_name = model_name or DEFAULT_MODEL
-    n = max_new_tokens or DEFAULT_TOKENS
+    model_name = model_name or DEMO_MODEL
+    n = max_new_tokens or DEMO_TOKENS
     model = load_model(model_name)  # the first run says on screen that it converts the GGUF file
     chat = bool(getattr(model.tokenizer, "chat_template", None))
     ids = encode_prompt(model, summary_prompt(), chat=chat)

@@ -12,7 +12,7 @@ import platform
 import sys
 from pathlib import Path
 
-from assistgen.backends.machine import cpu_name
+from assistgen.backends.machine import cpu_name, usable_cores
 from assistgen.paths import cache_root
 
 PACKAGES = ("assistgen", "torch", "transformers", "assistgen_llama_cpp", "llama_cpp_python", "llguidance", "fastapi",
@@ -63,7 +63,7 @@ def collect() -> dict:
     root = cache_root()
     folders = cache_contents(root)
     loose = sum(p.stat().st_size for p in root.iterdir() if p.is_file()) if root.is_dir() else 0
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = usable_cores()
     return {
         "python": sys.version.split()[0], "platform": platform.platform(),
         "packages": {name: version(name) for name in PACKAGES},

@@ -23,7 +23,7 @@ from assistgen.chat.templates import read_chat_template, use_chat_template
 from assistgen.cli import serve_access, serve_speech
 from assistgen.cli.options import (
     Parser,
-    add_layers,
+    add_drafting,
     add_model,
     add_placement,
     add_quantize,
@@ -34,17 +34,9 @@ from assistgen.cli.options import (
     load_target_and_assistant,
     settings_from,
 )
-from assistgen.cli.schedule import parse_schedule
+from assistgen.cli.schedule import schedule_argument
 from assistgen.config import ConfigError
 from assistgen.core.processing import banned_sequences
-
-
-def schedule_argument(text: str):
-    """`--schedule`'s value, its error shown by argparse as it is (`parse_schedule` names the forms it takes)."""
-    try:
-        return parse_schedule(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,20 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text, streaming it, then print statistics")
     gen.add_argument("prompt", help="the prompt text ('-' reads it from standard input)")
     add_model(gen)
-    gen.add_argument("--lookup", action="store_true", help="prompt-lookup drafting (no second model)")
-    gen.add_argument("--suffix", action="store_true",
-                     help="suffix drafting: the longest earlier match of the text's tail, continued by what most "
-                          "often followed it (no second model)")
+    add_drafting(gen, early_exit="self-drafting with the target's first LAYERS layers (chosen by calibration if "
+                                 "omitted: --early-exit \"Hi\" is calibrated early exit on the prompt Hi)")
     gen.add_argument("--prediction", metavar="FILE",
                      help="Predicted Outputs: a file holding text the output is expected to repeat in large part (the "
                           "file being edited), drafted from where the output lines up with it; the output is the same")
-    gen.add_argument("--ngram-cache", action="store_true",
-                     help="draft from n-grams of earlier requests in this process, and of this one")
-    drafter = gen.add_mutually_exclusive_group()
-    drafter.add_argument("--assistant", "-a",
-                         help="assistant model (any tokenizer: a different one switches to universal mode)")
-    add_layers(drafter, "--early-exit", "self-drafting with the target's first LAYERS layers (chosen by calibration "
-                                        "if omitted: --early-exit \"Hi\" is calibrated early exit on the prompt Hi)")
     gen.add_argument("--schedule", type=schedule_argument,
                      help="adaptive[:MAX_K[:ALTERNATIVES]] (default: cost-aware, k may be 0; ALTERNATIVES: at most "
                           "this many other drafts verified beside one where passes cost the same for more rows, "
@@ -120,16 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_serve(p: argparse.ArgumentParser) -> None:
     add_model(p)
-    p.add_argument("--lookup", action="store_true", help="prompt-lookup drafting (no second model)")
-    p.add_argument("--suffix", action="store_true",
-                   help="suffix drafting: the longest earlier match of the text's tail, in the request and in the "
-                        "same API key's earlier requests, continued by what most often followed it (no second model)")
-    p.add_argument("--ngram-cache", action="store_true",
-                   help="draft from n-grams of earlier requests with the same API key (never across keys)")
-    drafter = p.add_mutually_exclusive_group()
-    drafter.add_argument("--assistant", "-a", help="assistant model (any tokenizer), shared by all requests")
-    add_layers(drafter, "--early-exit", "self-drafting with the target's first LAYERS layers (chosen by calibration "
-                                        "if omitted)")
+    add_drafting(p, suffix="suffix drafting: the longest earlier match of the text's tail, in the request and in "
+                           "the same API key's earlier requests, continued by what most often followed it (no second "
+                           "model)",
+                 ngram_cache="draft from n-grams of earlier requests with the same API key (never across keys)",
+                 assistant="assistant model (any tokenizer), shared by all requests")
     p.add_argument("--schedule", type=schedule_argument,
                    help="as for generate, for the text and the speech model (default: cost-aware adaptive)")
     p.add_argument("--chat-template", metavar="FILE",

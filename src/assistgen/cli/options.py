@@ -1,6 +1,8 @@
 """Command-line options shared by the commands: which model, where models run and how they are loaded.
 
-Contract: `add_model` declares --model with its one default (`DEFAULT_MODEL`); `add_quantize` and `add_placement`
+Contract: `add_model` declares --model with its one default (`DEFAULT_MODEL`); `add_drafting` the drafting options
+(--lookup, --suffix, --ngram-cache, --assistant, --early-exit) for every command that drafts; `add_quantize` and
+`add_placement`
 declare --quantize, --backend, --assistant-backend, --assistant-quantize, --assistant-head, --device, --dtype,
 --context, --sequences, --max-memory and --no-repack on a parser; `placement` turns the parsed values into the
 keyword arguments `assistgen.load_model` takes (only those given: no loading default is re-declared here, and an
@@ -96,6 +98,32 @@ def add_layers(p, option: str, help: str) -> None:
     p.add_argument(option, action=OptionalValue, metavar="LAYERS",
                    help=f"{help}. {option} N or {option}=N: N layers; the next argument is taken as N only when it is "
                         f"a whole number")
+
+
+DRAFTING_HELP = {  # each drafting option's help; a command says what it means there where that differs
+    "lookup": "prompt-lookup drafting (no second model)",
+    "suffix": "suffix drafting: the longest earlier match of the text's tail, continued by what most often followed it "
+              "(no second model)",
+    "ngram_cache": "draft from n-grams of earlier requests in this process, and of this one",
+    "assistant": "assistant model (any tokenizer: a different one switches to universal mode)",
+    "early_exit": "self-drafting with the target's first LAYERS layers (chosen by calibration if omitted)",
+}
+
+
+def add_drafting(p: argparse.ArgumentParser, options=tuple(DRAFTING_HELP), **helps: str):
+    """The drafting options a command takes (`options`, of --lookup, --suffix, --ngram-cache, --assistant and
+    --early-exit), declared once for every command, with `helps` for what one means there; --assistant and
+    --early-exit exclude each other. Returns that exclusive group (a command adds its own model drafters to it)."""
+    help_of = {**DRAFTING_HELP, **helps}
+    for name in ("lookup", "suffix", "ngram_cache"):
+        if name in options:
+            p.add_argument("--" + name.replace("_", "-"), action="store_true", help=help_of[name])
+    models = p.add_mutually_exclusive_group()
+    if "assistant" in options:
+        models.add_argument("--assistant", "-a", help=help_of["assistant"])
+    if "early_exit" in options:
+        add_layers(models, "--early-exit", help_of["early_exit"])
+    return models
 
 
 def add_model(p: argparse.ArgumentParser, help: str = "alias, hub id, local folder or .gguf file") -> None:

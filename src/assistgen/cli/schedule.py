@@ -2,11 +2,14 @@
 'confidence:K:T'.
 
 Contract: `parse_schedule(text)` returns the schedule (settings) the text names, or raises ValueError naming the
-forms it takes. The library takes schedule objects (`assistgen.Adaptive`, `Constant`, `Heuristic`,
-`confidence`); this text form is for `--schedule` and `assistgen bench`'s `METHOD@SCHEDULE`.
+forms it takes (`schedule_argument`: the same as an argparse type, its error shown as it is). The library takes
+schedule objects (`assistgen.Adaptive`, `Constant`, `Heuristic`, `confidence`); this text form is for `--schedule`
+and `assistgen bench`'s `METHOD@SCHEDULE`.
 """
 
 from __future__ import annotations
+
+import argparse
 
 from assistgen.policy.adaptive import Adaptive
 from assistgen.policy.rules import Constant, Heuristic, confidence
@@ -33,3 +36,11 @@ def parse_schedule(text: str) -> Schedule:
         raise ValueError(f"bad schedule {text!r}: {e}") from e
     raise ValueError(f"unknown schedule {text!r}; use adaptive[:MAX_K[:ALTERNATIVES]], constant:K, heuristic or "
                      "confidence:K:T")
+
+
+def schedule_argument(text: str) -> Schedule:
+    """`--schedule`'s value, its error shown by argparse as it is (`parse_schedule` names the forms it takes)."""
+    try:
+        return parse_schedule(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e

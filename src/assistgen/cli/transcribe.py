@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from assistgen.cli.options import add_layers
+from assistgen.cli.options import add_drafting
 from assistgen.speech.transcribe import transcribe
 
 
@@ -22,13 +22,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--language", help="ISO 639-1 code of the speech (default: detected)")
     p.add_argument("--prompt", help="earlier text the transcript continues (names, spelling)")
     p.add_argument("--translate", action="store_true", help="translate into English instead of transcribing")
-    p.add_argument("--lookup", action="store_true", help="prompt-lookup drafting (no second model)")
-    p.add_argument("--ngram-cache", action="store_true", help="draft from n-grams of earlier transcripts too")
-    drafter = p.add_mutually_exclusive_group()
-    drafter.add_argument("--assistant", "-a",
-                         help="an assistant Whisper (another tokenizer switches to universal mode: whisper-tiny-en)")
-    add_layers(drafter, "--early-exit", "self-drafting with the target's first LAYERS decoder layers (calibrated if "
-                                        "omitted: --early-exit clip.wav is calibrated early exit on clip.wav)")
+    drafter = add_drafting(p, ("lookup", "ngram_cache", "assistant", "early_exit"),
+                           ngram_cache="draft from n-grams of earlier transcripts too",
+                           assistant="an assistant Whisper (another tokenizer switches to universal mode: "
+                                     "whisper-tiny-en)",
+                           early_exit="self-drafting with the target's first LAYERS decoder layers (calibrated if "
+                                      "omitted: --early-exit clip.wav is calibrated early exit on clip.wav)")
     drafter.add_argument("--self-draft", action="store_true",
                          help="self-drafting with the target's own decoder in quantized weights (on the CPU)")
     p.add_argument("--draft-weights", choices=("auto", "int8", "int4", "float"),

@@ -4,8 +4,9 @@ Contract: `grammar_of(structure)` is the llguidance grammar of a `config.Structu
 ": " and no other whitespace; a GBNF or Lark grammar; a regular expression) and `compile_structure(tokenizer,
 vocab_size, structure)` checks it against the target's tokenizer (a spec that does not compile raises ConfigError
 naming the problem). `compiled(target, structure, eos)` is that check for the target and the generation's EOS tokens,
-kept as a `Grammar` (the grammar's text and llguidance's view of the tokenizer): a request's admission
-(`core.admission`) makes it once. `Constraint.of(grammar, eos)` (or `Constraint.begin(target, structure, eos)`, which
+kept as a `Grammar` (the grammar's text, llguidance's view of the tokenizer and the matcher compiled from them,
+`compile_structure` being the one place a grammar is compiled): a request's admission (`core.admission`) makes it
+once. `Constraint.of(grammar, eos)` (a copy of that matcher; or `Constraint.begin(target, structure, eos)`, which
 compiles first) holds one generation's grammar state, which always stands after the tokens emitted so far. Each
 step the loop calls:
     check(draft) -> (m, forbidden)   how many leading draft tokens the grammar allows, and the token after
@@ -128,20 +129,23 @@ def grammar_of(structure: Structure) -> str:
     return llg.LLMatcher.grammar_from_lark(llg.gbnf_to_lark.any_to_lark(structure.spec))  # (GBNF or Lark)
 
 
-def compile_structure(tokenizer, vocab_size: int, structure: Structure, eos: tuple[int, ...] = ()) -> str:
-    """The grammar of `structure`, checked against the tokenizer; ConfigError naming what does not compile."""
+def compile_structure(tokenizer, vocab_size: int, structure: Structure, eos: tuple[int, ...] = ()):
+    """(the grammar of `structure`, an llguidance matcher compiled from it for the tokenizer, at its start): the one
+    place a grammar is compiled; ConfigError naming what does not compile."""
     what = {"json_object": "JSON schema", "json_schema": "JSON schema", "regex": "regular expression",
             "grammar": "grammar"}[structure.kind]
     lltokenizer = grammar_tokenizer(tokenizer, vocab_size, eos)
+    matcher = None
     try:
         grammar = grammar_of(structure)
-        error = llguidance().LLMatcher.validate_grammar(grammar, lltokenizer)
+        matcher = llguidance().LLMatcher(lltokenizer, grammar, log_level=1)
+        error = matcher.get_error() if matcher.is_error() else ""
     except (ValueError, TypeError, RuntimeError) as e:  # (the text does not parse: JSON, GBNF)
         error = str(e)
     if error:
         raise ConfigError(f"The {what} does not compile: {error_line(error)}. Fix it and retry (JSON Schema; a GBNF "
                           "or Lark grammar; a regular expression in Rust's syntax).")
-    return grammar
+    return grammar, matcher
 
 
 @dataclass(frozen=True)
@@ -151,13 +155,14 @@ class Grammar:
     text: str  # llguidance's grammar
     lltokenizer: object  # llguidance's view of the tokenizer, with the EOS tokens
     vocab_size: int
+    matcher: object = None  # llguidance's matcher compiled from it, never advanced: each generation copies it
 
 
 def compiled(target, structure: Structure, eos: set[int] | frozenset[int]) -> Grammar:
     """`structure` compiled for `target` with these EOS tokens (ConfigError naming what does not compile)."""
     key = tuple(sorted(eos))
-    text = compile_structure(target.tokenizer, target.vocab_size, structure, key)
-    return Grammar(text, grammar_tokenizer(target.tokenizer, target.vocab_size, key), target.vocab_size)
+    text, matcher = compile_structure(target.tokenizer, target.vocab_size, structure, key)
+    return Grammar(text, grammar_tokenizer(target.tokenizer, target.vocab_size, key), target.vocab_size, matcher)
 
 
 def error_line(error: str) -> str:
@@ -172,20 +177,21 @@ def allowed_rows(masks: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 class Constraint:
-    def __init__(self, grammar: str, lltokenizer, vocab_size: int, eos: set[int]):
+    def __init__(self, matcher, vocab_size: int, eos: set[int]):
+        """`matcher`: the generation's own llguidance matcher, at the grammar's start (`of`: a copy of a compiled
+        grammar's)."""
         self.vocab_size = vocab_size
         self.eos = eos
-        self.matcher = llguidance().LLMatcher(lltokenizer, grammar, log_level=1)
-        if self.matcher.is_error():
-            raise ConfigError(f"The grammar does not compile: {error_line(self.matcher.get_error())}.")
+        self.matcher = matcher
         self.words = (vocab_size + 31) // 32
         self.masks = torch.full((1, self.words), -1, dtype=torch.int32)  # [rows, words] bits, all allowed
         self.ended = False  # an EOS was emitted: nothing after it is
 
     @classmethod
     def of(cls, grammar: Grammar, eos: set[int] | frozenset[int]) -> Constraint:
-        """A generation's state in a grammar compiled for its EOS tokens (`compiled`)."""
-        return cls(grammar.text, grammar.lltokenizer, grammar.vocab_size, set(eos))
+        """A generation's state in a grammar compiled for its EOS tokens (`compiled`): a copy of its matcher (nothing
+        compiled again)."""
+        return cls(grammar.matcher.deep_copy(), grammar.vocab_size, set(eos))
 
     @classmethod
     def begin(cls, target, structure: Structure, eos: set[int]) -> Constraint:

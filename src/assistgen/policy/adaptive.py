@@ -11,10 +11,10 @@ drafter costs c per token and the target's verification costs v (`spec.costs.Pas
 them; none: their weight bytes price them). For a greedy generation on an offloaded target it carries the
 alternatives extension (`alternatives.AlternativesRun`); otherwise `alternatives` is None.
 
-Reproducibility: with sampling, the number of random draws depends on k, so k must not depend on wall-clock
-time: a sampled generation keeps every drafter's cost at its deterministic prior (the weight-bytes ratio of
-`cost_hint`, or `Adaptive.drafter_cost_prior`) and follows no pass time, and k is a function of the seed and the
-machine's cached cost curve. A greedy generation measures costs online (its output is the same whatever k is).
+Each drafter's state is one `records.DrafterRecord`. Reproducibility: a sampled generation keeps every drafter's
+cost at its deterministic prior (`records.prior_cost`) and follows no pass time, so that k depends only on the seed
+and the machine's cached cost curve (drafts with probabilities draw more or fewer numbers with k; copied ones are
+judged by keyed draws, which do not). A greedy generation measures costs online (its output is the same whatever k).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from assistgen.policy.alternatives import AlternativesRun
 from assistgen.policy.costs import known_costs, measured_costs
 from assistgen.policy.gain import LONG_K, MAX_K, best_lookahead
 from assistgen.policy.online import OnlineCosts
+from assistgen.policy.records import DrafterRecord, prior_cost
 from assistgen.policy.rules import check_k
 from assistgen.spec.costs import PassCosts, plain_seconds
 from assistgen.spec.drafts import Draft, Drafter
@@ -122,7 +123,7 @@ class Adaptive:
 
 
 class AdaptiveRun:
-    """One generation under `Adaptive` settings: acceptance estimates, drafter costs, probes.
+    """One generation under `Adaptive` settings: acceptance estimates, one record per drafter, probes.
 
     measure: whether drafter costs follow measured time (greedy) or stay at their priors (sampling,
     so that k, and with it the random draws, depend only on the seed).
@@ -133,27 +134,16 @@ class AdaptiveRun:
         self.settings = settings
         self.min_confidence = settings.min_confidence
         self.measure = measure
-        self.acceptance: dict[str, Acceptance] = {}
-        self.drafter_cost: dict[str, float] = {}  # c per proposed token, in target steps
-        self.off_steps: dict[str, int] = {}
-        self.seen: dict[str, int] = {}  # sequence length when each drafter last drafted (it has seen that much)
+        self.acceptance: dict[str, Acceptance] = {}  # {draft source (a drafter's name, or "lookup:3"): estimate}
+        self.drafters: dict[str, DrafterRecord] = {}  # {drafter name: what the run knows of it}
         self.length = prompt_length  # current sequence length
         self.end = None if budget is None else prompt_length + budget  # the length at which the generation stops
-        self.probes = 0
-        self.rested = 0  # steps a free drafter was not asked for, resting
+        self.probes, self.rested = 0, 0  # probes of drafters switched off; steps a free drafter rested
         # Each draft source's unverified draft tokens still being checked against what the target emits next:
         # {source: (drafter name, the tokens, the draft position of the first)} (`check_unverified`)
         self.unverified: dict[str, tuple[str, list[int], int]] = {}
-        self.unused: dict[str, int] = {}  # {free drafter: its drafts in a row of which nothing was verified}
-        self.resting: dict[str, int] = {}  # {free drafter: the steps it is still not asked for (`Adaptive.rest_after`)}
         self.drafted_last: set[str] = set()  # the drafters that drafted in the last step (no catch-up since)
         self.drafted_before: set[str] = set()  # and in the step before it
-        # A model drafter that drafted last step feeds, in its next proposal's first pass, the tokens it has not seen:
-        # the target's own token, and its last draft token when the whole draft was kept ({name: rows})
-        self.pending: dict[str, int] = {}
-        self.first_extra: dict[str, float] = {}  # {name: that pass's cost beyond one row's, in passes} as last priced
-        self.timed: set[str] = set()  # drafters whose cost per token has been measured (not a prior any more)
-        self.drafter_curves: dict[str, tuple[float, ...]] = {}  # {name: its model's measured cost curve}, if known
         self.measured: PassCosts | None = None  # None for plain decoding: nothing to choose
         self.online: OnlineCosts | None = None  # the passes' time as they run (when measuring)
         self.alternatives: AlternativesRun | None = None  # other drafts verified beside the sequence's own
@@ -173,10 +163,10 @@ class AdaptiveRun:
             self.alternatives = AlternativesRun(self)
         for drafter in drafters:
             mine = known_costs(drafter.model) if drafter.model is not None else None
-            if mine is not None:
-                self.drafter_curves[drafter.name] = mine.curve
-            self.drafter_cost.setdefault(drafter.name, prior_cost(drafter, target, settings.drafter_cost_prior,
-                                                                  mine, theirs))
+            if drafter.name not in self.drafters:
+                self.drafters[drafter.name] = DrafterRecord(
+                    prior_cost(drafter, target, settings.drafter_cost_prior, mine, theirs),
+                    mine.curve if mine is not None else None)
             if drafter.acceptance_prior is not None and drafter.name not in self.acceptance:  # a measured agreement
                 # (early exit's, the self-draft's) counts as a full window of the moving average's observations: one
                 # rejection then moves it as much as any later one does, not halfway to 0
@@ -225,8 +215,21 @@ class AdaptiveRun:
         pay it)."""
         return 1.0 + (self.online.fixed() if self.online is not None else 0.0)
 
+    def record(self, name: str) -> DrafterRecord:
+        """The drafter's record (one it was not prepared with: a free drafter's, priced 0 until timed)."""
+        return self.drafters.setdefault(name, DrafterRecord(0.0))
+
     def is_free(self, drafter_name: str) -> bool:
-        return self.drafter_cost.get(drafter_name, 0.0) < self.settings.free_cost
+        record = self.drafters.get(drafter_name)
+        return record is None or record.cost < self.settings.free_cost
+
+    def cost_now(self, name: str) -> float:
+        """A drafter's cost per token in today's plain steps: a prior is in plain steps as measured, and the time the
+        passes gained since is the target's, not the drafter's (`slowdown`)."""
+        record = self.drafters.get(name)
+        if record is None:
+            return 0.0
+        return record.cost if record.timed else record.cost / self.slowdown()
 
     def positions(self, drafter_name: str) -> int:
         """The draft positions a drafter's estimates follow: a copy's up to `long_k`, a model drafter's `max_k`."""
@@ -237,24 +240,23 @@ class AdaptiveRun:
 
     def next_k(self, drafter: Drafter) -> int:
         name = drafter.name
-        c = self.drafter_cost.get(name, 0.0)
-        if c < self.settings.free_cost:  # a copy: as long as it goes, then verified as far as it pays
-            if self.resting.get(name, 0) > 0:  # (priced out for a while: asked again in a few steps)
-                self.resting[name] -= 1
+        record = self.record(name)
+        if self.is_free(name):  # a copy: as long as it goes, then verified as far as it pays
+            if record.resting > 0:  # (priced out for a while: asked again in a few steps)
+                record.resting -= 1
                 self.rested += 1
                 return 0
             return self.long_k
-        if name not in self.timed:  # a prior, in plain steps as measured: the passes' extra time is not the drafter's
-            c /= self.slowdown()
-        extra = self.first_extra[name] = self.first_pass_extra(drafter)
+        c = self.cost_now(name)
+        extra = record.first_extra = self.first_pass_extra(drafter)
         k, gain = best_lookahead(self.estimate(name).estimate(), self.curve, c, self.k_max(), first=c * extra)
         startup = self.startup_cost(drafter)
         if k > 0 and self.catch_up_pays(name, c, gain, startup):
-            self.off_steps[name] = 0
+            record.off_steps = 0
             return k
-        self.off_steps[name] = self.off_steps.get(name, 0) + 1
-        if self.off_steps[name] * self.settings.probe_share >= self.probe_cost(name, c) + startup:
-            self.off_steps[name] = 0
+        record.off_steps += 1
+        if record.off_steps * self.settings.probe_share >= self.probe_cost(name, c) + startup:
+            record.off_steps = 0
             self.probes += 1
             return 1
         return 0
@@ -264,11 +266,10 @@ class AdaptiveRun:
         measured cost curve (d[n-1] = its n-row pass over its one-row pass, as the book held it at `prepare`) for the
         rows it must feed (`pending`); 0 for a drafter that did not draft last step (`catch_up_cost` prices its
         unseen tokens), or without a curve."""
-        curve = self.drafter_curves.get(drafter.name)
-        if not curve or drafter.name not in self.drafted_last:
+        record = self.record(drafter.name)
+        if not record.curve or drafter.name not in self.drafted_last:
             return 0.0
-        rows = self.pending.get(drafter.name, 1)
-        return max(0.0, curve[min(rows, len(curve)) - 1] - 1.0)
+        return max(0.0, record.curve[min(record.pending, len(record.curve)) - 1] - 1.0)
 
     def probe_cost(self, name: str, c: float) -> float:
         """A one-token probe, in plain steps: the draft, the extra verified row, and catching up on unseen tokens."""
@@ -281,7 +282,8 @@ class AdaptiveRun:
         in one batched forward pass)."""
         if name in self.drafted_last:
             return 0.0
-        unseen = self.length - self.seen.get(name, 0)
+        record = self.drafters.get(name)
+        unseen = self.length - (record.seen if record is not None else 0)
         return c * unseen * self.curve[-1] / len(self.curve)
 
     def startup_cost(self, drafter: Drafter) -> float:
@@ -323,20 +325,20 @@ class AdaptiveRun:
         self.drafted_before = self.drafted_last
         self.drafted_last = {outcome.drafter} if outcome.drafter and outcome.draft.tokens else set()
         if outcome.drafter and outcome.draft.tokens:
-            self.pending[outcome.drafter] = 2 if outcome.accepted == len(outcome.draft.tokens) else 1
+            self.record(outcome.drafter).pending = 2 if outcome.accepted == len(outcome.draft.tokens) else 1
 
     def rest(self, outcome: StepOutcome) -> None:
         """Count a free drafter's drafts priced out in a row; past `rest_after`, it rests `rest_steps` steps."""
-        name = outcome.drafter
-        if not self.is_free(name):
+        if not self.is_free(outcome.drafter):
             return
-        self.unused[name] = self.unused.get(name, 0) + 1 if outcome.verified == 0 else 0
-        if self.unused[name] >= self.settings.rest_after:
-            self.resting[name] = self.settings.rest_steps
+        record = self.record(outcome.drafter)
+        record.unused = record.unused + 1 if outcome.verified == 0 else 0
+        if record.unused >= self.settings.rest_after:
+            record.resting = self.settings.rest_steps
 
     def learn(self, outcome: StepOutcome) -> None:
         """Record which of the step's draft tokens were accepted (and, for free, whether the next would have been)."""
-        self.seen[outcome.drafter] = self.length
+        self.record(outcome.drafter).seen = self.length
         source = outcome.draft.source or outcome.drafter
         estimates = [self.estimate(source, outcome.drafter)]
         if source != outcome.drafter:
@@ -377,47 +379,22 @@ class AdaptiveRun:
             self.online.observe(shape, outcome.verify_s)
         # A drafter that drafted last step too has no catch-up cost in its time.
         if outcome.drafter and outcome.draft.tokens and outcome.drafter in self.drafted_last and self.unit_s:
-            self.time_drafter(outcome.drafter, outcome.draft_s, len(outcome.draft.tokens),
-                              self.first_extra.get(outcome.drafter, 0.0))
+            self.time_drafter(outcome.drafter, outcome.draft_s, len(outcome.draft.tokens))
 
-    def time_drafter(self, name: str, seconds: float, tokens: int, extra: float = 0.0) -> None:
-        """Follow a drafter's cost per token, in plain steps, from one proposal's time (`extra`: its first pass's
-        cost beyond one row's, in passes, as priced: not a token's)."""
-        w = self.settings.cost_weight
-        c = seconds / (tokens + extra) / self.unit_s
-        old = self.drafter_cost.get(name, c)
-        self.drafter_cost[name] = old + w * (c - old)
-        self.timed.add(name)
+    def time_drafter(self, name: str, seconds: float, tokens: int) -> None:
+        """Follow a drafter's cost per token, in plain steps, from one proposal's time (its first pass's cost beyond
+        one row's, in passes, as priced, `first_extra`: not a token's)."""
+        record = self.record(name)
+        c = seconds / (tokens + record.first_extra) / self.unit_s
+        record.cost += self.settings.cost_weight * (c - record.cost)
+        record.timed = True
 
     def report(self) -> dict:
         out = {"schedule": "adaptive", "adaptive_probes": self.probes, "adaptive_rested_steps": self.rested}
         if self.alternatives is not None:
             out.update(self.alternatives.report())
-        out["drafter_cost_per_token"] = {k: round(v, 3) for k, v in self.drafter_cost.items()}
+        out["drafter_cost_per_token"] = {name: round(r.cost, 3) for name, r in self.drafters.items()}
         out["acceptance_estimate"] = {
             src: [round(r, 2) for r in a.estimate()[:4]] for src, a in sorted(self.acceptance.items())
         }
         return out
-
-
-def prior_cost(drafter: Drafter, target: LanguageModel | None, drafter_cost_prior: float | None,
-               mine: PassCosts | None = None, theirs: PassCosts | None = None) -> float:
-    """A drafter's cost per token before any measurement: 0 without a model (free until measured
-    otherwise), else `drafter_cost_prior` when set, else `cost_hint` (`mine`, `theirs`: the drafter's model's and the
-    target's costs, as the book holds them). Deterministic."""
-    if drafter.model is None:
-        return 0.0
-    if drafter_cost_prior is not None:
-        return drafter_cost_prior
-    return cost_hint(drafter, target, mine, theirs)
-
-
-def cost_hint(drafter: Drafter, target: LanguageModel, mine: PassCosts | None, theirs: PassCosts | None) -> float:
-    """A model drafter's cost per token before it is measured: its model's measured plain-step time (`mine`'s) over
-    the target's (`theirs`') where both were measured (the machine's cost records: what the passes take, whatever
-    dominates them: reading weights, streaming them from their file for an offloaded target, or the per-operation
-    time of a small model), else its model's share of the target's weight bytes."""
-    mine_s, theirs_s = plain_seconds(mine), plain_seconds(theirs)
-    if mine_s and theirs_s:
-        return mine_s / theirs_s
-    return drafter.model.weight_bytes / max(1, target.weight_bytes)

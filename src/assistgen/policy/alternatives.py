@@ -78,9 +78,7 @@ class AlternativesRun:
         run = self.run
         if not self.on() or chosen >= run.settings.alternatives:
             return 0
-        c = run.drafter_cost.get(drafter.name, 0.0)
-        if drafter.name not in run.timed:
-            c /= run.slowdown()
+        c = run.cost_now(drafter.name)
         rates = run.estimate(drafter.name).estimate(cautious=False)
         return self.best(rates, best, 0, min(room, run.k_max()), plan, c)
 

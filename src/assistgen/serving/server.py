@@ -25,8 +25,8 @@ has its engine requests cancelled. Responses carry, besides OpenAI's fields, `me
 cache across requests is off unless `ServerSettings.ngram_cache` (suffix drafting's history: `suffix`); then a
 request draws on (and feeds) the cache of its API key (the bearer token; no key: a cache of its own), never another's.
 `serve(engine, settings, host, port)` starts the engine and runs uvicorn until SIGINT/SIGTERM, then lets
-running requests finish (`ServerSettings.shutdown_timeout`) and returns 0 (`assistgen serve`, in
-`cli/main.py`, loads the model(s) and builds the engine).
+running requests finish (`ServerSettings.shutdown_timeout`) and returns 0 (`assembly.build_server` loads the
+model(s) and builds the engine, for `assistgen serve` and each Ray replica).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import re
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from functools import partial
 
 from fastapi import FastAPI
@@ -47,7 +47,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from assistgen.api import encode_prompt
-from assistgen.chat.grammar import ToolSchemaError, call_structure
+from assistgen.chat.grammar import ToolSchemaError, call_structure, faulty_tool
 from assistgen.chat.syntax import CallSyntax
 from assistgen.chat.templates import encode_chat, template_prefix
 from assistgen.config import ConfigError, Structure
@@ -91,14 +91,29 @@ async def chat_completions(body: ChatRequest, http: HTTPRequest):
     check_model(state, body.model)
     refuse_unsupported(body)
     messages = message_dicts(body.messages)
-    syntax, calls, specs = tools_for(state, tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls))
+    plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    syntax, calls, specs = tools_for(state, plan)
     fits_untokenized(state, [m["content"] for m in messages if isinstance(m.get("content"), str)], "messages")
     ids = encoded(lambda: encode_chat(state.engine.target, messages, specs), "messages")
-    jobs = submit(state, body, [ids], http, calls, "messages", template_prefix(state.engine.target, messages, ids),
-                  predicted_tokens(state, body))
+    with tool_schemas_named(plan, calls):
+        jobs = submit(state, body, [ids], http, calls, "messages", template_prefix(state.engine.target, messages, ids),
+                      predicted_tokens(state, body))
     for job in jobs:
         job.calls = syntax
     return await respond(state, body, jobs, True, http)
+
+
+@contextmanager
+def tool_schemas_named(plan: ToolPlan | None, calls: Structure | None):
+    """Admission compiles the grammar of a request's calls once; where it does not compile, the 400 names the tool
+    whose parameter schema made it fail (`chat.grammar.faulty_tool`)."""
+    try:
+        yield
+    except APIError as e:
+        faulty = faulty_tool(plan.tools) if calls is not None and e.status == 400 and e.param is None else None
+        if faulty is None:
+            raise
+        raise APIError(400, str(faulty), param=f"tools.{faulty.index}.function.parameters") from e
 
 
 def predicted_tokens(state: AppState, body: ChatRequest) -> list[int] | None:
@@ -147,7 +162,11 @@ async def responses(body: ResponsesRequest, http: HTTPRequest):
         raise APIError(e.status, flat_tool_names(e.message), e.type, flat_tool_names(e.param)) from e
     fits_untokenized(state, [m["content"] for m in messages if isinstance(m.get("content"), str)], "input")
     ids = encoded(lambda: encode_chat(state.engine.target, messages, specs), "input")
-    jobs = submit(state, body, [ids], http, calls, "input", template_prefix(state.engine.target, messages, ids))
+    try:
+        with tool_schemas_named(plan, calls):
+            jobs = submit(state, body, [ids], http, calls, "input", template_prefix(state.engine.target, messages, ids))
+    except APIError as e:  # (chat's tools nest a function's fields under "function"; these tools are flat)
+        raise APIError(e.status, flat_tool_names(e.message), e.type, flat_tool_names(e.param)) from e
     out = Reply(body, state.settings.model_name, syntax)
     if body.stream:
         return StreamingResponse(response_events(state, jobs[0], out), media_type="text/event-stream")

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from assistgen.backends.embedded import ModelLoadError, say
+from assistgen.backends.machine import usable_cores
 from assistgen.paths import cache_root, safe_name
 
 CONVERTER_TYPES = ("auto", "f32", "f16", "bf16", "q8_0")  # what the converter writes itself
@@ -135,7 +136,7 @@ def quantize_file(lib, source: Path, out: Path, ftype: str, requantize: bool = F
     matrix (the head too) to `ftype` (`--allow-requantize --pure`)."""
     params = lib.llama_model_quantize_default_params()
     params.ftype = getattr(lib, f"LLAMA_FTYPE_MOSTLY_{ftype}")
-    params.nthread = os.cpu_count() or 1
+    params.nthread = usable_cores()
     params.allow_requantize = params.pure = requantize
     if lib.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params)) != 0:
         hint = ": some row lengths may not fit that type's blocks; try q8_0 or q4_0" if requantize else ""

@@ -48,10 +48,9 @@ class LlamaSettings:
     head: int | None = None
 
     def thread_count(self) -> int:
-        import os
+        from assistgen.backends.machine import default_threads
 
-        given = os.environ.get("OMP_NUM_THREADS", "")
-        return self.threads or (int(given) if given.isdigit() and int(given) > 0 else len(os.sched_getaffinity(0)))
+        return self.threads or default_threads()
 
 
 DEFAULT_CONTEXT = 4096

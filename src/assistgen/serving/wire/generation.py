@@ -32,9 +32,9 @@ def generation_config(body: Sampling, limit: int | None, room: int,
              "top_k": body.top_k, "seed": body.seed}
     settings = {k: v for k, v in given.items() if v is not None}
     if body.stop is not None:
-        settings["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
-        if len(settings["stop"]) > MAX_STOP:
-            raise APIError(400, f"stop: at most {MAX_STOP} stop strings, got {len(settings['stop'])}.", param="stop")
+        settings["stop"] = body.stop  # (GenerationConfig takes one string or a list)
+        if not isinstance(body.stop, str) and len(body.stop) > MAX_STOP:
+            raise APIError(400, f"stop: at most {MAX_STOP} stop strings, got {len(body.stop)}.", param="stop")
     structure = structure_of(body)
     if calls is not None and structure is not None:
         raise APIError(400, "tools and a response format both constrain the output: give one, or tool_choice "
