@@ -22,6 +22,10 @@ from assistgen.config import ConfigError, Structure
 from assistgen.core.constraint import error_line, json_grammar, llguidance
 
 
+class ToolChoiceError(ConfigError):
+    """A tool_choice that names no tool among the tools."""
+
+
 class ToolSchemaError(ConfigError):
     """A tool whose parameter schema does not compile; `index`: its place among the tools."""
 
@@ -95,7 +99,8 @@ def call_structure(syntax: CallSyntax, tools: list[Tool], choice: str = "auto", 
     `parallel=False`: one call at most, and nothing after it but a newline."""
     chosen = [(i, t) for i, t in enumerate(tools) if choice in ("auto", "required") or t.name == choice]
     if not chosen:
-        raise ConfigError(f"tool_choice names {choice!r}, which is not among the tools.")
+        raise ToolChoiceError(f"tool_choice names {choice!r}, which is not among the tools "
+                              f"({', '.join(t.name for t in tools)}).")
     grammars = {t.name: arguments_grammar(t, i) for i, t in chosen}
     rules = ["%llguidance {}"]
     tags = []

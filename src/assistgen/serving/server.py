@@ -47,7 +47,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from assistgen.api import encode_prompt
-from assistgen.chat.grammar import ToolSchemaError, call_structure, faulty_tool
+from assistgen.chat.grammar import ToolChoiceError, ToolSchemaError, call_structure, faulty_tool
 from assistgen.chat.syntax import CallSyntax
 from assistgen.chat.templates import encode_chat, template_prefix
 from assistgen.config import ConfigError, Structure
@@ -141,6 +141,8 @@ def tools_for(state: AppState, plan: ToolPlan | None) -> tuple[CallSyntax | None
         calls = call_structure(syntax, plan.tools, plan.choice, plan.parallel)
     except ToolSchemaError as e:
         raise APIError(400, str(e), param=f"tools.{e.index}.function.parameters") from e
+    except ToolChoiceError as e:
+        raise APIError(400, str(e), param="tool_choice") from e
     except ConfigError as e:  # (llguidance missing)
         raise APIError(400, str(e), param="tools") from e
     return syntax.for_tools([t.name for t in plan.tools], calls_only=plan.choice != "auto"), calls, plan.specs

@@ -1,8 +1,9 @@
 """The tool fields of chat and responses: `tools`, `tool_choice` and `parallel_tool_calls`.
 
 Contract: `tool_plan` checks them into a `ToolPlan` (each tool by `chat.tools.Tool.of`; the choice "auto",
-"required", "none" or a tool's name; None: no tools), a malformed field being a 400 naming it. The grammar the
-calls then follow is `chat.grammar`'s.
+"required", "none" or a name; None: no tools), a malformed field being a 400 naming it. The grammar the calls
+then follow is `chat.grammar`'s, which is also the one place a named choice is checked against the tools
+(`ToolChoiceError`).
 """
 
 from __future__ import annotations
@@ -46,10 +47,10 @@ def tool_plan(tools, tool_choice, parallel_tool_calls) -> ToolPlan | None:
     names = [t.name for t in checked]
     if len(set(names)) != len(names):
         raise APIError(400, "tools: two tools have the same name.", param="tools")
-    return ToolPlan(checked, tools, tool_choice_name(tool_choice, names), parallel_tool_calls is not False)
+    return ToolPlan(checked, tools, tool_choice_name(tool_choice), parallel_tool_calls is not False)
 
 
-def tool_choice_name(choice, names: list[str]) -> str:
+def tool_choice_name(choice) -> str:
     if choice is None:
         return "auto"
     if choice in ("auto", "required", "none"):
@@ -61,7 +62,4 @@ def tool_choice_name(choice, names: list[str]) -> str:
     if not isinstance(named, str):
         raise APIError(400, 'tool_choice: give "auto", "none", "required" or {"type": "function", "function": '
                        '{"name": ...}}.', param="tool_choice")
-    if named not in names:
-        raise APIError(400, f"tool_choice names {named!r}, which is not among the tools ({', '.join(names)}).",
-                       param="tool_choice")
-    return named
+    return named  # (whether it is among the tools: `chat.grammar.call_structure`, `ToolChoiceError`)
