@@ -103,7 +103,7 @@ class GenerationConfig:
             raise ConfigError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}.")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}.")
-        if isinstance(self.stop, str) or isinstance(self.stop, list):  # (one stop string is itself, not its characters)
+        if isinstance(self.stop, (str, list)):  # (one stop string is itself, not its characters)
             object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ConfigError(f"stop strings must be non-empty strings, got {self.stop!r}.")

@@ -326,9 +326,13 @@ class BatchEngine:
         return True
 
 
+def running_siblings(request: Request, active: list[tuple[Request, GenerationState]]) -> list[GenerationState]:
+    return [s for r, s in active if r is not request and r in request.siblings]
+
+
 def sibling_feeding(request: Request, active: list[tuple[Request, GenerationState]]) -> bool:
     """Whether a running sibling of `request` is still feeding their prompt (and none has fed it yet)."""
-    running = [s for r, s in active if r is not request and r in request.siblings]
+    running = running_siblings(request, active)
     return any(s.prefilling for s in running) and not any(not s.prefilling for s in running)
 
 
@@ -339,9 +343,8 @@ def sibling_fork(request: Request, active: list[tuple[Request, GenerationState]]
     if len(request.siblings) < 2 or request.config.prompt_logprobs is not None:
         return None
     length = len(request.prompt_ids) - 1
-    for other, state in active:
-        if other is not request and other in request.siblings and not state.prefilling and state.finish is None \
-                and len(state.cache) >= length and length > 0:
+    for state in running_siblings(request, active):
+        if not state.prefilling and state.finish is None and len(state.cache) >= length > 0:
             cache = fork_or_none(state.cache)
             if cache is not None:
                 cache.crop(length)

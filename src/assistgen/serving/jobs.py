@@ -179,7 +179,8 @@ def submit(state: AppState, body: Sampling, prompts: list[list[int]], http: HTTP
                 jobs.append(submit_one(state, replace(one, config=candidate_config(one.config, j)), drafter, key,
                                        started, public, first))
                 jobs[-1].predicted = predicted
-                first = first or jobs[-1].request
+                if first is None:
+                    first = jobs[-1].request
     except APIError:
         for job in jobs:
             job.request.cancel()

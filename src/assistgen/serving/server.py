@@ -157,17 +157,14 @@ async def responses(body: ResponsesRequest, http: HTTPRequest):
     refuse_unsupported(body)
     body.checked_format()
     messages = body.messages()
-    try:
+    try:  # (chat's tools nest a function's fields under "function"; these tools are flat: errors name them so)
         plan = tool_plan(body.chat_tools(), body.tool_choice, body.parallel_tool_calls)
         syntax, calls, specs = tools_for(state, plan)
-    except APIError as e:  # (chat's tools nest a function's fields under "function"; these tools are flat)
-        raise APIError(e.status, flat_tool_names(e.message), e.type, flat_tool_names(e.param)) from e
-    fits_untokenized(state, [m["content"] for m in messages if isinstance(m.get("content"), str)], "input")
-    ids = encoded(lambda: encode_chat(state.engine.target, messages, specs), "input")
-    try:
+        fits_untokenized(state, [m["content"] for m in messages if isinstance(m.get("content"), str)], "input")
+        ids = encoded(lambda: encode_chat(state.engine.target, messages, specs), "input")
         with tool_schemas_named(plan, calls):
             jobs = submit(state, body, [ids], http, calls, "input", template_prefix(state.engine.target, messages, ids))
-    except APIError as e:  # (chat's tools nest a function's fields under "function"; these tools are flat)
+    except APIError as e:
         raise APIError(e.status, flat_tool_names(e.message), e.type, flat_tool_names(e.param)) from e
     out = Reply(body, state.settings.model_name, syntax)
     if body.stream:
