@@ -165,7 +165,7 @@ async def responses(body: ResponsesRequest, http: HTTPRequest):
         with tool_schemas_named(plan, calls):
             jobs = submit(state, body, [ids], http, calls, "input", template_prefix(state.engine.target, messages, ids))
     except APIError as e:
-        raise APIError(e.status, flat_tool_names(e.message), e.type, flat_tool_names(e.param)) from e
+        raise APIError(e.status, flat_tool_names(e.message), e.type, flat_tool_names(e.param), e.code) from e
     out = Reply(body, state.settings.model_name, syntax)
     if body.stream:
         return StreamingResponse(response_events(state, jobs[0], out), media_type="text/event-stream")
